@@ -1,0 +1,99 @@
+"""Backbone adapters and the one loader the runner and calibration use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from wnw_exp.backbones.base import Backbone, Prompt, WeightsNotFoundError, find_weights
+
+TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked for but no CUDA GPU is visible; use device=cpu or device=auto")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def load_backbone(cfg: dict, device: torch.device, dtype: torch.dtype) -> Backbone:
+    """Build the adapter for `cfg` (a `conf/model/*.yaml` as a dict) on `device` in `dtype`."""
+    family = cfg["family"]
+    if cfg.get("random"):
+        from wnw_exp.backbones.tiny_random import build_tiny_random
+
+        backbone = build_tiny_random(cfg)
+    elif family == "voxtral":
+        backbone = _load_voxtral(cfg)
+    elif family == "qwen_omni":
+        backbone = _load_qwen_omni(cfg)
+    else:
+        raise ValueError(f"unknown model family {family!r} (voxtral, qwen_omni)")
+    backbone.model.to(device=device, dtype=dtype)
+    return backbone
+
+
+def _weights_dir(cfg: dict) -> Path:
+    path = cfg.get("path")
+    if path == "builtin:tiny":
+        path = str(TINY_MODEL_DIR)
+    return find_weights(path, cfg.get("repo_id"))
+
+
+def _load_voxtral(cfg: dict) -> Backbone:
+    from transformers import (AutoProcessor, PreTrainedTokenizerFast, VoxtralConfig,
+                              VoxtralForConditionalGeneration, WhisperFeatureExtractor)
+
+    from wnw_exp.backbones.voxtral import VoxtralBackbone
+
+    folder = _weights_dir(cfg)
+    _check_architecture(folder, VoxtralConfig.model_type)
+    model = VoxtralForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    if (folder / "tokenizer.json").exists() and not (folder / "tekken.json").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        fe = WhisperFeatureExtractor.from_pretrained(folder, local_files_only=True)
+        return VoxtralBackbone(model, cfg["name"], tokenizer=tokenizer, feature_extractor=fe)
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    return VoxtralBackbone(model, cfg["name"], processor=processor, model_id=cfg.get("repo_id") or str(folder))
+
+
+def _load_qwen_omni(cfg: dict) -> Backbone:
+    from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
+
+    from wnw_exp.backbones.qwen_omni import QwenOmniBackbone
+
+    folder = _weights_dir(cfg)
+    _check_architecture(folder, "qwen2_5_omni", "qwen2_5_omni_thinker")
+    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+                                                                       local_files_only=True)
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    return QwenOmniBackbone(model, cfg["name"], processor=processor)
+
+
+def _check_architecture(folder: Path, *model_types: str) -> None:
+    import json
+
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in model_types:
+        raise ValueError(
+            f"the weights in {folder} are a {model_type!r} model, not {' or '.join(model_types)}: "
+            f"point model.path at a matching checkpoint or choose the model= that fits it")
+
+
+__all__ = ["Backbone", "Prompt", "WeightsNotFoundError", "load_backbone", "resolve_device", "resolve_dtype"]

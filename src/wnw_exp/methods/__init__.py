@@ -1,0 +1,38 @@
+"""Method registry: `method.name` -> policy class. Each method is one small file plus its YAML."""
+
+from __future__ import annotations
+
+from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+
+REGISTRY: dict[str, type[Policy]] = {"full": Policy}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def build_policy(cfg: dict, backbone_info: dict | None = None) -> Policy:
+    """Instantiate the policy named by `cfg['name']` with the other keys as keyword arguments."""
+    _import_all()
+    name = cfg["name"]
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; choose one of {sorted(REGISTRY)}")
+    kwargs = {k: v for k, v in cfg.items() if k != "name"}
+    if name == "full":
+        return Policy()
+    return REGISTRY[name](**kwargs, backbone_info=backbone_info or {})
+
+
+def _import_all() -> None:
+    import importlib
+    import pkgutil
+
+    import wnw_exp.methods as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name != "base":
+            importlib.import_module(f"wnw_exp.methods.{mod.name}")
+
+
+__all__ = ["Policy", "PrefillScores", "SampleContext", "REGISTRY", "register", "build_policy"]

@@ -1,0 +1,26 @@
+# Set-up is part of every target: the virtual environment is created on first use.
+# torch is pinned to the CPU build this machine keeps on disk; on a GPU machine create .venv yourself
+# with your own torch first (`python -m venv .venv && .venv/bin/pip install torch`), then the targets
+# keep it (pip sees torch already satisfies the project's `torch>=2.8`).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: run test figures clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_CPU)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/wnw-run $(ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

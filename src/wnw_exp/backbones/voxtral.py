@@ -1,0 +1,108 @@
+"""Voxtral adapter: Voxtral-Mini-3B / Voxtral-Small-24B, and our own small Voxtral-architecture models.
+
+All of them are `VoxtralForConditionalGeneration`: a Whisper encoder over 30 s windows, a projector that
+stacks 4 encoder frames into one audio token (12.5 tokens/s) and a Llama decoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import soundfile as sf
+import torch
+from transformers import VoxtralForConditionalGeneration, WhisperFeatureExtractor
+
+from wnw_exp.backbones.audio_windows import windowed_features
+from wnw_exp.backbones.base import Backbone, Prompt, contiguous_span
+from wnw_exp.backbones.word_tokenizer import AUDIO, transcription_prompt
+from wnw_exp.data.base import SAMPLE_RATE
+
+TRANSLATE_INSTRUCTION = {"fr": "French", "en": "English", "de": "German", "es": "Spanish"}
+
+
+class VoxtralBackbone(Backbone):
+    """Prompting through the Mistral processor (real checkpoints) or a word tokenizer (tiny models)."""
+
+    def __init__(self, model: VoxtralForConditionalGeneration, name: str, *, processor=None, model_id: str | None = None,
+                 tokenizer=None, feature_extractor: WhisperFeatureExtractor | None = None):
+        if processor is None and (tokenizer is None or feature_extractor is None):
+            raise ValueError("VoxtralBackbone needs a processor, or a word tokenizer and a feature extractor")
+        self.name = name
+        self.model = model.eval()
+        self.processor, self.model_id = processor, model_id
+        self.tokenizer = tokenizer if tokenizer is not None else processor.tokenizer
+        self.feature_extractor = feature_extractor
+        lm = model.model.language_model
+        cfg = model.config.text_config
+        self.layers, self.final_norm, self.rotary, self.embed_tokens = lm.layers, lm.norm, lm.rotary_emb, lm.embed_tokens
+        self.lm_head = model.lm_head
+        self.n_layers = cfg.num_hidden_layers
+        self.n_q_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_positions = cfg.max_position_embeddings
+        # 30 s of audio -> 1500 encoder positions -> /(intermediate/hidden) stacked frames per token.
+        stack = model.config.audio_config.intermediate_size // model.config.audio_config.hidden_size
+        self.token_rate = model.config.audio_config.max_source_positions / stack / 30.0
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        self.audio_token_id = model.config.audio_token_id
+
+    # --- prompts --------------------------------------------------------------------------------
+    def build_prompt(self, audio, task="transcribe", language="en", target_language=None) -> Prompt:
+        if self.processor is None:
+            return self._word_prompt(audio, task)
+        if task == "translate":
+            inputs = self._translation_inputs(audio, target_language or "fr")
+        else:
+            # Keyword arguments only: the positional order changed between transformers 4.x and 5.x.
+            inputs = self.processor.apply_transcription_request(
+                audio=[np.asarray(audio, dtype=np.float32)], model_id=self.model_id, language=language,
+                sampling_rate=SAMPLE_RATE, format=["wav"], return_tensors="pt", tokenize=True, return_dict=True,
+            )
+        ids = inputs["input_ids"][:, :]
+        return Prompt(ids, contiguous_span(ids, self.audio_token_id), {"input_features": inputs["input_features"]})
+
+    def _translation_inputs(self, audio, target_language: str):
+        buf = io.BytesIO()
+        sf.write(buf, np.asarray(audio, dtype=np.float32), SAMPLE_RATE, format="WAV")
+        target = TRANSLATE_INSTRUCTION.get(target_language, target_language)
+        conversation = [{"role": "user", "content": [
+            {"type": "audio", "base64": base64.b64encode(buf.getvalue()).decode()},
+            {"type": "text", "text": f"Translate this audio into {target}."},
+        ]}]
+        return self.processor.apply_chat_template(conversation, tokenize=True, return_dict=True, return_tensors="pt")
+
+    def _word_prompt(self, audio, task) -> Prompt:
+        if task != "transcribe":
+            raise ValueError(f"model {self.name} only transcribes (task={task!r}); use a Voxtral checkpoint")
+        feats = windowed_features(np.asarray(audio, dtype=np.float32), self.feature_extractor)
+        n_tokens = feats.shape[0] * round(self.token_rate * 30)
+        ids = torch.tensor([transcription_prompt(n_tokens)])
+        return Prompt(ids, contiguous_span(ids, AUDIO), {"input_features": feats})
+
+    # --- embeddings and positions ----------------------------------------------------------------
+    @torch.no_grad()
+    def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
+        ids = prompt.input_ids.to(self.device)
+        embeds = self.embed_tokens(ids)
+        feats = prompt.audio_inputs["input_features"].to(self.device, self.dtype)
+        audio = self.model.get_audio_features(feats).pooler_output
+        s, e = prompt.audio_span
+        if audio.shape[0] != e - s:
+            raise ValueError(f"audio encoder gave {audio.shape[0]} tokens for {e - s} placeholders")
+        embeds[0, s:e] = audio.to(embeds.dtype)
+        return embeds
+
+    def prompt_positions(self, prompt: Prompt) -> torch.Tensor:
+        return torch.arange(prompt.input_ids.shape[1], device=self.device)[None]
+
+    def next_positions(self, prompt_positions, n_done, n_new=1):
+        start = int(prompt_positions.max()) + 1 + n_done
+        return torch.arange(start, start + n_new, device=self.device)[None]
+
+    def decode(self, token_ids):
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True).strip()

@@ -1,0 +1,126 @@
+"""One run: every sample of a data set through one backbone and one method, into a run directory.
+
+Knows nothing of Hydra: it takes plain dicts. Resumes from predictions.jsonl; a failing sample is recorded
+with its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import traceback
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import wnw_exp
+from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype
+from wnw_exp.data import build_dataset
+from wnw_exp.engine.decode import generate, max_new_tokens_for
+from wnw_exp.engine.rundir import aggregate, append_prediction, read_predictions, write_metrics
+from wnw_exp.methods import build_policy
+from wnw_exp.metrics import corpus_wer_counts
+
+
+def check_config(cfg: dict) -> None:
+    r = cfg["retention"]
+    if not isinstance(r, (int, float)) or not 0 < r <= 1:
+        raise ValueError(f"retention={r!r} is outside (0, 1]: it is the fraction of audio KV kept on the device")
+
+
+def environment(device: torch.device) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import transformers
+
+    return dict(wnw_exp=wnw_exp.__version__, git_commit=commit, torch=torch.__version__,
+                transformers=transformers.__version__, python=platform.python_version(), device=str(device),
+                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+
+
+def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
+    """Run (or resume) the experiment `cfg` into `run_dir`; returns metrics.json's content."""
+    check_config(cfg)
+    run_dir = Path(run_dir)
+    (run_dir / "trace").mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg["device"])
+    dtype = resolve_dtype(cfg["dtype"], device)
+    dataset = build_dataset(cfg["dataset"])
+    torch.manual_seed(cfg["seed"])
+    backbone = load_backbone(cfg["model"], device, dtype)
+    policy = build_policy(cfg["method"], backbone.describe())
+    (run_dir / "environment.json").write_text(json.dumps(environment(device), indent=2) + "\n")
+
+    done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}
+    records = []
+    bar = tqdm(total=len(dataset), desc=f"{cfg['model']['name']}/{cfg['method']['name']}", disable=not progress,
+               unit="sample")
+    for sample in dataset:
+        if sample.id in done:
+            records.append(done[sample.id])
+        else:
+            record = _run_sample(sample, backbone, policy, cfg)
+            append_prediction(run_dir, record)
+            if record.get("trace") is not None:
+                (run_dir / "trace" / f"{sample.id}.json").write_text(json.dumps(record.pop("trace")))
+            records.append(record)
+        counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in records if r.get("error") is None])
+        bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-",
+                        failed=sum(r.get("error") is not None for r in records))
+        bar.update(1)
+    bar.close()
+    metrics = aggregate(records)
+    write_metrics(run_dir, metrics)
+    return metrics
+
+
+def _run_sample(sample, backbone, policy, cfg) -> dict:
+    base = dict(id=sample.id, reference=sample.reference, task=sample.task, duration=sample.duration)
+    try:
+        audio = sample.audio()
+        if len(audio) == 0:
+            raise ValueError("the audio file holds no samples")
+        prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
+        cap = max_new_tokens_for(len(audio) / 16000, cfg["model"]["max_new_tokens_per_second"],
+                                 cfg["model"]["min_new_tokens"])
+        res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap)
+        tokens = [t for t in res.tokens if t not in backbone.eos_token_ids]
+        s = res.store_summary
+        return dict(base, hypothesis=backbone.decode(tokens), n_new_tokens=len(res.tokens),
+                    terminated=res.terminated, r_gpu=s["r_gpu"], r_gpu_cpu=s["r_gpu_cpu"], r_gpu_end=s["r_gpu_end"],
+                    r_gpu_cpu_end=s["r_gpu_cpu_end"], ms_per_token=_finite(res.ms_per_token),
+                    mb_per_step=s["mb_per_step"], prefill_ms=res.prefill_ms, n_audio_tokens=prompt.n_audio,
+                    audio_bytes_on_device=s["audio_bytes_on_device"], knobs=policy.knobs(), error=None,
+                    trace=dict(res.trace, reference_words=len(sample.reference.split())))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the run goes on
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        return dict(base, hypothesis="", n_new_tokens=0, terminated=False, r_gpu=None, r_gpu_cpu=None,
+                    ms_per_token=None, mb_per_step=None, error=f"{type(e).__name__}: {e}",
+                    error_trace=traceback.format_exc(limit=3))
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and not math.isinf(x) else None
+
+
+def summary_table(cfg: dict, metrics: dict, run_dir: Path) -> str:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    head = f"{'model':<12} {'dataset':<24} {'method':<8} {'target':>6} {'n':>4} {'fail':>4} {'WER%':>7} " \
+           f"{'BLEU':>6} {'r_gpu':>6} {'r_g+c':>6} {'ms/tok':>7} {'term':>5}"
+    ds = f"{cfg['dataset']['name']}-{cfg['dataset'].get('split')}"
+    row = (f"{cfg['model']['name']:<12} {ds:<24} {cfg['method']['name']:<8} {cfg['retention']:>6} "
+           f"{metrics['n_samples']:>4} {metrics['n_failed']:>4} {f(metrics['wer'], '7.2f')} "
+           f"{f(metrics['bleu'], '6.2f')} {f(metrics['r_gpu'], '6.3f')} {f(metrics['r_gpu_cpu'], '6.3f')} "
+           f"{f(metrics['ms_per_token'], '7.2f')} {f(metrics['terminated_rate'], '5.2f')}")
+    return f"{head}\n{row}\nrun directory: {run_dir}"

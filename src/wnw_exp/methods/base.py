@@ -1,0 +1,77 @@
+"""The policy interface: a method decides, the store executes.
+
+The engine calls these hooks at fixed points with plain tensors; a method overrides only the hooks it
+needs. `Full` is the base class itself: everything stays on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from wnw_exp.kv.store import AudioKVStore
+
+
+@dataclass
+class SampleContext:
+    """What a method may know about the sample being decoded (set by the engine before prefill)."""
+
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    token_rate: float  # audio tokens per second
+    n_audio: int  # audio tokens in the prompt
+    retention: float  # target r_GPU
+    device: torch.device
+
+    @property
+    def group(self) -> int:
+        return self.n_q_heads // self.n_kv_heads
+
+
+@dataclass
+class PrefillScores:
+    """Computed once by the engine per layer, for every method.
+
+    `post_audio`: (H_q, n_post, n_audio_layer) softmax weights from each prompt token after the audio
+    (the observation window / the "text" of §2.3) to the layer's audio positions.
+    """
+
+    post_audio: torch.Tensor
+
+
+class Policy:
+    """Full cache: keeps every audio position on the device and never moves anything."""
+
+    name = "full"
+
+    def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
+        """Called once per sample before prefill."""
+        self.ctx, self.store = ctx, store
+
+    def observe_heads(self, layer: int) -> list[int]:
+        """Query heads of `layer` whose softmax weights at audio positions `observe` wants each step."""
+        return []
+
+    def prefill_transform(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
+                          audio_span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """Before layer `layer` at prefill: may merge audio tokens (AffPool). Returns (hidden, positions, span)."""
+        return hidden, positions, audio_span
+
+    def place(self, layer: int, scores: PrefillScores) -> None:
+        """After prefill attention of `layer`: choose each KV head's GPU / CPU / dropped audio positions."""
+
+    def before_attention(self, layer: int, q: torch.Tensor) -> None:
+        """At decode, before attention of `layer`, with the step's query (H_q, D) after RoPE."""
+
+    def observe(self, layer: int, probs: torch.Tensor) -> None:
+        """At decode, after attention of `layer`: (len(observe_heads(layer)), n_audio) softmax weights."""
+
+    def after_step(self, step: int) -> None:
+        """After all layers of decode step `step`: decisions for the next step."""
+
+    def knobs(self) -> dict:
+        """Method-specific numbers worth recording with each sample (e.g. the solved λ)."""
+        return {}

@@ -1,0 +1,60 @@
+"""Tiny random speech LLMs built from config, shared by the engine tests."""
+
+import numpy as np
+import torch
+from transformers import (Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration,
+                          VoxtralForConditionalGeneration, WhisperFeatureExtractor)
+
+from wnw_exp.backbones.qwen_omni import QwenOmniBackbone
+from wnw_exp.backbones.tiny_random import tiny_voxtral_config
+from wnw_exp.backbones.voxtral import VoxtralBackbone
+from wnw_exp.backbones.word_tokenizer import EOS, build_word_tokenizer
+
+
+def noise_audio(seconds: float, seed: int = 0) -> np.ndarray:
+    return (np.random.RandomState(seed).randn(int(16000 * seconds)) * 0.1).astype(np.float32)
+
+
+def tiny_voxtral(seed: int = 0, init: float = 0.2) -> VoxtralBackbone:
+    """A 3-layer, 8/4-head Voxtral; a wide init so greedy tokens vary instead of repeating one word."""
+    tok = build_word_tokenizer([f"w{i}" for i in range(300)])
+    cfg = tiny_voxtral_config(len(tok))
+    cfg.text_config.initializer_range = init
+    torch.manual_seed(seed)
+    model = VoxtralForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = EOS
+    return VoxtralBackbone(model, "tiny_test", tokenizer=tok, feature_extractor=WhisperFeatureExtractor(feature_size=80))
+
+
+QWEN_AUDIO, QWEN_AUDIO_START, QWEN_AUDIO_END, QWEN_EOS = 290, 291, 292, 2
+
+
+def tiny_qwen_omni(seed: int = 0, init: float = 0.2) -> QwenOmniBackbone:
+    """A 2-layer Qwen2.5-Omni thinker with 8 query / 2 KV heads (GQA group 4) and M-RoPE."""
+    cfg = Qwen2_5OmniThinkerConfig(
+        audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          d_model=32, output_dim=64, n_window=100, max_source_positions=1500),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[0]),
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
+                         initializer_range=init, eos_token_id=QWEN_EOS, tie_word_embeddings=False),
+        audio_token_index=QWEN_AUDIO, audio_start_token_id=QWEN_AUDIO_START, audio_end_token_id=QWEN_AUDIO_END,
+        initializer_range=init,
+    )
+    cfg.vision_start_token_id = 293  # real checkpoints carry it; get_rope_index reads it
+    torch.manual_seed(seed)
+    model = Qwen2_5OmniThinkerForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = QWEN_EOS
+    fe = WhisperFeatureExtractor(feature_size=128)
+
+    def prompt_fn(audio):
+        inputs = fe(audio, sampling_rate=16000, return_attention_mask=True, padding="longest", return_tensors="pt")
+        n_frames = int(inputs.attention_mask.sum())
+        n_tok = ((n_frames - 1) // 2 + 1 - 2) // 2 + 1
+        ids = [10, 11, 12, QWEN_AUDIO_START] + [QWEN_AUDIO] * n_tok + [QWEN_AUDIO_END, 13, 14, 15]
+        return torch.tensor([ids]), inputs.input_features, inputs.attention_mask
+
+    tok = build_word_tokenizer([f"w{i}" for i in range(300)])
+    return QwenOmniBackbone(model, "tiny_qwen_test", prompt_fn=prompt_fn, tokenizer=tok)

@@ -21,3 +21,7 @@ def main(cfg: DictConfig) -> None:
     plain = OmegaConf.to_container(cfg, resolve=True)
     metrics = run(plain, run_dir, progress=cfg.progress and not os.environ.get("WNW_NO_PROGRESS"))
     print(summary_table(plain, metrics, run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -136,7 +136,9 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         _sync(dev)
         step_ms.append((time.perf_counter() - t0) * 1e3)
 
-    trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps])
+    trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
+                 n_audio=prompt.n_audio, n_full=store.n_full,
+                 n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **policy.trace())
     return DecodeResult(tokens, terminated, step_ms, prefill_ms, store.summary(), trace,
                         kept if keep_logits else None)
 

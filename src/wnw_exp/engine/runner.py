@@ -55,6 +55,12 @@ def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
     torch.manual_seed(cfg["seed"])
     backbone = load_backbone(cfg["model"], device, dtype)
     policy = build_policy(cfg["method"], backbone.describe())
+    if cfg.get("analysis") == "mismatch":
+        from wnw_exp.engine.analysis import MismatchRecorder
+
+        policy = MismatchRecorder(policy)
+    elif cfg.get("analysis") is not None:
+        raise ValueError(f"unknown analysis {cfg['analysis']!r}: use analysis=mismatch or leave it null")
     (run_dir / "environment.json").write_text(json.dumps(environment(device), indent=2) + "\n")
 
     done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}

@@ -72,6 +72,10 @@ class Policy:
     def after_step(self, step: int) -> None:
         """After all layers of decode step `step`: decisions for the next step."""
 
+    def trace(self) -> dict:
+        """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable."""
+        return {}
+
     def knobs(self) -> dict:
         """Method-specific numbers worth recording with each sample (e.g. the solved λ)."""
         return {}

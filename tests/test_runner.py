@@ -1,0 +1,114 @@
+"""wnw-run end to end on tiny_random: run directory contract, resume, sweeps, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from wnw_exp.backbones import WeightsNotFoundError, load_backbone
+from wnw_exp.engine.rundir import read_predictions
+from wnw_exp.engine.runner import run
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+SHORT = ["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=5"]
+
+
+def config(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=[*SHORT, f"dataset.cache_dir={tmp_path / 'cache'}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_run_writes_the_run_directory(tmp_path):
+    cfg = config(tmp_path, "dataset.n=2")
+    metrics = run(cfg, tmp_path / "run", progress=False)
+    records = read_predictions(tmp_path / "run")
+    assert [r["id"] for r in records] == ["synthetic-test-0", "synthetic-test-1"]
+    for key in ["id", "hypothesis", "reference", "n_new_tokens", "terminated", "r_gpu", "r_gpu_cpu",
+                "ms_per_token", "mb_per_step", "error"]:
+        assert key in records[0]
+    on_disk = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert on_disk == metrics
+    for key in ["wer", "r_gpu", "r_gpu_cpu", "ms_per_token", "terminated_rate", "n_samples"]:
+        assert metrics[key] is not None
+    assert metrics["n_samples"] == 2 and metrics["r_gpu"] == 1.0
+    trace = json.loads((tmp_path / "run" / "trace" / "synthetic-test-0.json").read_text())
+    assert len(trace["gpu_audio_tokens"]) == records[0]["n_new_tokens"] - 1
+    env = json.loads((tmp_path / "run" / "environment.json").read_text())
+    assert {"wnw_exp", "git_commit", "torch", "transformers", "device"} <= env.keys()
+
+
+def test_resume_skips_finished_samples_and_recomputes_a_torn_line(tmp_path):
+    cfg = config(tmp_path, "dataset.n=3")
+    run_dir = tmp_path / "run"
+    run({**cfg, "dataset": {**cfg["dataset"], "n": 1}}, run_dir, progress=False)
+    first = (run_dir / "predictions.jsonl").read_text()
+    # a run killed while writing its second sample leaves a torn line
+    with open(run_dir / "predictions.jsonl", "a") as f:
+        f.write('{"id": "synthetic-test-1", "hypo')
+    metrics = run(cfg, run_dir, progress=False)
+    lines = (run_dir / "predictions.jsonl").read_text().splitlines()
+    ids = [json.loads(x)["id"] for x in lines]
+    assert ids == ["synthetic-test-0", "synthetic-test-1", "synthetic-test-2"]
+    assert lines[0] + "\n" == first  # the finished sample was not recomputed
+    assert metrics["n_samples"] == 3
+    # re-running the same command is a no-op
+    run(cfg, run_dir, progress=False)
+    assert (run_dir / "predictions.jsonl").read_text().splitlines() == lines
+
+
+def test_a_failing_sample_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    from wnw_exp.data.synthetic import SyntheticDataset
+
+    original = SyntheticDataset.__getitem__
+
+    def broken(self, i):
+        sample = original(self, i)
+        if i == 0:
+            def fail():
+                raise OSError("cannot read audio file")
+            sample.load_audio = fail
+        return sample
+
+    monkeypatch.setattr(SyntheticDataset, "__getitem__", broken)
+    metrics = run(config(tmp_path, "dataset.n=2"), tmp_path / "run", progress=False)
+    records = read_predictions(tmp_path / "run")
+    assert records[0]["error"].startswith("OSError: cannot read audio file")
+    assert records[1]["error"] is None
+    assert metrics["n_failed"] == 1 and metrics["n_samples"] == 2
+
+
+def test_retention_outside_unit_interval_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"retention=1.5 is outside \(0, 1\]"):
+        run(config(tmp_path, "retention=1.5"), tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(name="voxtral", family="voxtral", repo_id="mistralai/Voxtral-Mini-3B-2507", path=None),
+    dict(name="qwen_omni", family="qwen_omni", repo_id="Qwen/Qwen2.5-Omni-3B", path="/nonexistent/qwen"),
+])
+def test_missing_weights_fail_fast_with_a_clear_message(cfg, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    t0 = time.perf_counter()
+    with pytest.raises(WeightsNotFoundError) as e:
+        load_backbone(cfg, device=None, dtype=None)
+    assert time.perf_counter() - t0 < 5
+    assert cfg["repo_id"] in str(e.value) and "model.path" in str(e.value)
+
+
+def test_multirun_sweep_2x2(tmp_path):
+    env = dict(os.environ, WNW_NO_PROGRESS="1", WNW_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "wnw_exp.cli.run", "-m", *SHORT, "dataset.n=1", f"runs_root={tmp_path / 'runs'}",
+           "method=full", "retention=0.2,0.6", "seed=0,1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = sorted(p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").rglob("metrics.json"))
+    extra = "dataset.max_seconds=5,dataset.min_seconds=3"  # overrides beyond the path's own keys
+    assert metrics == [f"tiny_random/synthetic-test/full/r{r}/{extra},seed={s}/metrics.json"
+                       for r in ("0.2", "0.6") for s in (0, 1)]

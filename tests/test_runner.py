@@ -112,3 +112,22 @@ def test_multirun_sweep_2x2(tmp_path):
     extra = "dataset.max_seconds=5,dataset.min_seconds=3"  # overrides beyond the path's own keys
     assert metrics == [f"tiny_random/synthetic-test/full/r{r}/{extra},seed={s}/metrics.json"
                        for r in ("0.2", "0.6") for s in (0, 1)]
+
+
+def test_same_config_and_seed_give_byte_identical_predictions(tmp_path):
+    cfg = config(tmp_path, "dataset.n=1")
+    run(cfg, tmp_path / "a", progress=False)
+    run(cfg, tmp_path / "b", progress=False)
+    a = (tmp_path / "a" / "predictions.jsonl").read_bytes()
+    assert a and a == (tmp_path / "b" / "predictions.jsonl").read_bytes()
+    assert "ms_per_token" in (tmp_path / "a" / "timings.jsonl").read_text()
+
+
+def test_two_runs_on_one_run_directory_are_refused(tmp_path):
+    from wnw_exp.engine.rundir import RunDirLock
+
+    (tmp_path / "run").mkdir()
+    with RunDirLock(tmp_path / "run"):
+        with pytest.raises(RuntimeError, match=f"pid {os.getpid()}.* is writing to"):
+            run(config(tmp_path, "dataset.n=1"), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "predictions.jsonl").exists()

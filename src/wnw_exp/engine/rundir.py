@@ -14,13 +14,26 @@ from pathlib import Path
 from wnw_exp.metrics import corpus_bleu, corpus_wer_counts
 
 PREDICTIONS = "predictions.jsonl"
+TIMINGS = "timings.jsonl"
 METRICS = "metrics.json"
+LOCK = ".lock"
+# Wall-clock fields differ between two runs of the same config, so they live in timings.jsonl and
+# predictions.jsonl stays byte-identical for a given config and seed on the CPU.
+TIMING_FIELDS = ("ms_per_token", "prefill_ms")
 
 
 def read_predictions(run_dir: Path, repair: bool = False) -> list[dict]:
-    """Finished samples, in file order, the last record of an id winning. A torn final line is ignored
-    (and cut from the file when `repair`)."""
-    path = Path(run_dir) / PREDICTIONS
+    """Finished samples, in file order, with their timing fields joined in from timings.jsonl.
+
+    The last record of an id wins. A torn final line (a killed run) is ignored, and cut from the file
+    when `repair`, so that sample is recomputed.
+    """
+    timings = {r["id"]: r for r in _read_jsonl(Path(run_dir) / TIMINGS, repair)}
+    return [{**r, **{k: timings.get(r["id"], {}).get(k) for k in TIMING_FIELDS}}
+            for r in _read_jsonl(Path(run_dir) / PREDICTIONS, repair)]
+
+
+def _read_jsonl(path: Path, repair: bool) -> list[dict]:
     if not path.exists():
         return []
     raw = path.read_bytes()
@@ -41,10 +54,46 @@ def read_predictions(run_dir: Path, repair: bool = False) -> list[dict]:
 
 
 def append_prediction(run_dir: Path, record: dict) -> None:
-    with open(Path(run_dir) / PREDICTIONS, "a", encoding="utf-8") as f:
+    """Append one finished sample: its timing first, then the prediction that marks it done."""
+    timing = {"id": record["id"], **{k: record.get(k) for k in TIMING_FIELDS}}
+    _append(Path(run_dir) / TIMINGS, timing)
+    _append(Path(run_dir) / PREDICTIONS, {k: v for k, v in record.items() if k not in TIMING_FIELDS})
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory: two runs writing one directory would interleave samples."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunDirLock":
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise RuntimeError(f"another run (pid {holder}) is writing to {self.path.parent}; wait for it to "
+                               "finish or give this run other overrides (a different run directory)") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
 
 
 def _median(xs):

@@ -20,7 +20,7 @@ import wnw_exp
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype
 from wnw_exp.data import build_dataset
 from wnw_exp.engine.decode import generate, max_new_tokens_for
-from wnw_exp.engine.rundir import aggregate, append_prediction, read_predictions, write_metrics
+from wnw_exp.engine.rundir import RunDirLock, aggregate, append_prediction, read_predictions, write_metrics
 from wnw_exp.methods import build_policy
 from wnw_exp.metrics import corpus_wer_counts
 
@@ -49,6 +49,11 @@ def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
     check_config(cfg)
     run_dir = Path(run_dir)
     (run_dir / "trace").mkdir(parents=True, exist_ok=True)
+    with RunDirLock(run_dir):
+        return _run_locked(cfg, run_dir, progress)
+
+
+def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)
     dataset = build_dataset(cfg["dataset"])

@@ -73,9 +73,10 @@ class AudioKVStore:
         self.layer_audio.append(n_a)
 
     def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
-        """After prefill: keep audio positions `gpu` on the device, move `cpu` to the host, drop the rest.
+        """After prefill: keep audio positions `gpu` on the device, copy `cpu` to the host, drop the rest.
 
-        Both index the head's current GPU tier by audio position; they must be disjoint.
+        Both index the head's current GPU tier by audio position. A position in both stays resident and
+        also gets a host copy (a mirror, as ArkVale keeps), so it can later be released and recalled.
         """
         t = self.heads[layer][head]
         index = torch.full((self.layer_audio[layer],), -1, dtype=torch.long, device=self.device)
@@ -89,8 +90,6 @@ class AudioKVStore:
             crows = index[cpu]
             if (crows < 0).any():
                 raise ValueError("set_tiers: a position to offload is not GPU-resident")
-            if torch.isin(cpu, gpu).any():
-                raise ValueError("set_tiers: a position cannot be both on the GPU and offloaded")
             t.cpu_pos, t.cpu_k, t.cpu_v = self._to_host(cpu), self._to_host(t.gpu_k[crows]), self._to_host(t.gpu_v[crows])
         # Index-select makes new, exactly-sized tensors: the old GPU storage is freed, not masked.
         t.gpu_pos, t.gpu_k, t.gpu_v = gpu, t.gpu_k[rows].contiguous(), t.gpu_v[rows].contiguous()

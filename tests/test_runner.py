@@ -131,3 +131,59 @@ def test_two_runs_on_one_run_directory_are_refused(tmp_path):
         with pytest.raises(RuntimeError, match=f"pid {os.getpid()}.* is writing to"):
             run(config(tmp_path, "dataset.n=1"), tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "predictions.jsonl").exists()
+
+
+def test_audio_longer_than_the_context_fails_before_compute(tmp_path, monkeypatch):
+    from wnw_exp.data.synthetic import SyntheticDataset
+
+    original = SyntheticDataset.__getitem__
+
+    def long_one(self, i):
+        sample = original(self, i)
+        if i == 0:
+            sample.duration = 3600.0  # an hour: more positions than tiny_random has
+
+            def never():
+                raise AssertionError("audio must not be loaded")
+            sample.load_audio = never
+        return sample
+
+    monkeypatch.setattr(SyntheticDataset, "__getitem__", long_one)
+    metrics = run(config(tmp_path, "dataset.n=2"), tmp_path / "run", progress=False)
+    records = read_predictions(tmp_path / "run")
+    assert "the limit is about" in records[0]["error"] and "16384" in records[0]["error"]
+    assert records[1]["error"] is None and metrics["n_failed"] == 1
+
+
+def test_killed_run_resumes_to_the_same_result(tmp_path):
+    """A real wnw-run killed with SIGKILL mid-sample, re-run with the same command."""
+    import signal
+
+    env = dict(os.environ, WNW_NO_PROGRESS="1", WNW_CACHE=str(tmp_path / "cache"))
+    args = [sys.executable, "-m", "wnw_exp.cli.run", *SHORT, "dataset.n=4"]
+    ref = subprocess.run(args + [f"runs_root={tmp_path / 'ref'}"], env=env, capture_output=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    root = tmp_path / "killed"
+    proc = subprocess.Popen(args + [f"runs_root={root}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    preds = None
+    while time.time() < deadline:  # kill once at least one sample is done and the next has started
+        found = list(root.rglob("predictions.jsonl"))
+        if found and found[0].read_text().count("\n") >= 1:
+            preds = found[0]
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert preds is not None and preds.read_text().count("\n") < 4
+    again = subprocess.run(args + [f"runs_root={root}"], env=env, capture_output=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ids = [json.loads(x)["id"] for x in preds.read_text().splitlines()]
+    assert sorted(ids) == [f"synthetic-test-{i}" for i in range(4)]
+    ref_dir = next((tmp_path / "ref").rglob("predictions.jsonl")).parent
+    assert preds.read_bytes() == (ref_dir / "predictions.jsonl").read_bytes()
+    timing = {"ms_per_token"}
+    m1 = json.loads((ref_dir / "metrics.json").read_text())
+    m2 = json.loads((preds.parent / "metrics.json").read_text())
+    assert {k: v for k, v in m1.items() if k not in timing} == {k: v for k, v in m2.items() if k not in timing}

@@ -80,6 +80,18 @@ class Backbone:
             token_rate=self.token_rate,
         )
 
+    def audio_tokens_for(self, seconds: float) -> int:
+        """Audio tokens a clip of `seconds` takes in the prompt (before any compute)."""
+        return int(np.ceil(seconds * self.token_rate))
+
+    def check_fits(self, seconds: float, max_new_tokens: int, prompt_overhead: int = 256) -> None:
+        """Refuse audio whose prompt plus answer cannot fit the model's positions, before any compute."""
+        need = self.audio_tokens_for(seconds) + max_new_tokens + prompt_overhead
+        if need > self.max_positions:
+            limit_s = (self.max_positions - max_new_tokens - prompt_overhead) / self.token_rate
+            raise ValueError(f"audio of {seconds:.0f} s needs about {need} positions but {self.name} has "
+                             f"{self.max_positions}: the limit is about {limit_s:.0f} s; cut the recording")
+
     # --- to implement -------------------------------------------------------------------------
     def build_prompt(self, audio: np.ndarray, task: str = "transcribe", language: str | None = "en",
                      target_language: str | None = None) -> Prompt:

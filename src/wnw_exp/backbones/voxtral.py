@@ -51,6 +51,10 @@ class VoxtralBackbone(Backbone):
         self.eos_token_ids = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
         self.audio_token_id = model.config.audio_token_id
 
+    def audio_tokens_for(self, seconds: float) -> int:
+        # The processor pads to whole 30 s windows.
+        return max(1, int(np.ceil(seconds / 30.0))) * round(self.token_rate * 30)
+
     # --- prompts --------------------------------------------------------------------------------
     def build_prompt(self, audio, task="transcribe", language="en", target_language=None) -> Prompt:
         if self.processor is None:

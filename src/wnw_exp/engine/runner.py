@@ -92,14 +92,17 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
 
 
 def _run_sample(sample, backbone, policy, cfg) -> dict:
-    base = dict(id=sample.id, reference=sample.reference, task=sample.task, duration=sample.duration)
+    duration = sample.duration if sample.duration == sample.duration else None  # NaN: header unreadable
+    base = dict(id=sample.id, reference=sample.reference, task=sample.task, duration=duration)
     try:
+        per_s, minimum = cfg["model"]["max_new_tokens_per_second"], cfg["model"]["min_new_tokens"]
+        if duration is not None:
+            backbone.check_fits(duration, max_new_tokens_for(duration, per_s, minimum))
         audio = sample.audio()
         if len(audio) == 0:
             raise ValueError("the audio file holds no samples")
         prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
-        cap = max_new_tokens_for(len(audio) / 16000, cfg["model"]["max_new_tokens_per_second"],
-                                 cfg["model"]["min_new_tokens"])
+        cap = max_new_tokens_for(len(audio) / 16000, per_s, minimum)
         res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap)
         tokens = [t for t in res.tokens if t not in backbone.eos_token_ids]
         s = res.store_summary

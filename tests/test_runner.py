@@ -161,8 +161,6 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
 
     env = dict(os.environ, WNW_NO_PROGRESS="1", WNW_CACHE=str(tmp_path / "cache"))
     args = [sys.executable, "-m", "wnw_exp.cli.run", *SHORT, "dataset.n=4"]
-    ref = subprocess.run(args + [f"runs_root={tmp_path / 'ref'}"], env=env, capture_output=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
     root = tmp_path / "killed"
     proc = subprocess.Popen(args + [f"runs_root={root}"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -181,7 +179,14 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     ids = [json.loads(x)["id"] for x in preds.read_text().splitlines()]
     assert sorted(ids) == [f"synthetic-test-{i}" for i in range(4)]
-    ref_dir = next((tmp_path / "ref").rglob("predictions.jsonl")).parent
+    ref_dir = tmp_path / "ref"  # the same config, uninterrupted, in-process
+    cfg = config(tmp_path, "dataset.n=4")
+    cfg["dataset"]["cache_dir"] = None  # as in the subprocess: $WNW_CACHE
+    os.environ["WNW_CACHE"], saved = str(tmp_path / "cache"), os.environ.get("WNW_CACHE")
+    try:
+        run(cfg, ref_dir, progress=False)
+    finally:
+        os.environ.pop("WNW_CACHE") if saved is None else os.environ.__setitem__("WNW_CACHE", saved)
     assert preds.read_bytes() == (ref_dir / "predictions.jsonl").read_bytes()
     timing = {"ms_per_token"}
     m1 = json.loads((ref_dir / "metrics.json").read_text())

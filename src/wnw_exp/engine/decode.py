@@ -5,6 +5,7 @@ One loop for every method and backbone; methods act only through the policy hook
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 from dataclasses import dataclass, field
@@ -75,7 +76,13 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
                          f"the model's context of {backbone.max_positions} positions: use shorter audio")
     ctx = SampleContext(backbone.n_layers, n_q, n_kv, d, backbone.token_rate, prompt.n_audio, retention, dev)
-    store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
+    store_cls = AudioKVStore
+    if dev.type == "cuda" and importlib.util.find_spec("triton") and not policy.merges_tokens:
+        # The packed store (one buffer per layer, Triton attention, recall on a side stream) is the
+        # fast path on CUDA; the reference store above is what it is tested against.
+        from wnw_exp.kv.packed import PackedAudioKVStore as store_cls
+    store = store_cls(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
+    packed = store_cls is not AudioKVStore
     policy.start(ctx, store)
 
     _sync(dev)
@@ -98,6 +105,8 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         policy.place(li, PrefillScores(_post_audio_probs(q[0], k[0], span, attn.scaling)))
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    if packed:
+        store.compact(headroom=policy.recall_headroom)  # frees the dropped rows' memory
     logits = backbone.lm_head(backbone.final_norm(hidden[:, -1:]))[0, -1].float()
     _sync(dev)
     prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -131,6 +140,8 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
             hidden = hidden + attn.o_proj(out.reshape(1, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         policy.after_step(step)
+        if packed:
+            store.issue()  # start the queued recalls' copies on the side stream at once
         store.end_step()
         logits = backbone.lm_head(backbone.final_norm(hidden))[0, -1].float()
         _sync(dev)

@@ -46,6 +46,8 @@ class Policy:
     """Full cache: keeps every audio position on the device and never moves anything."""
 
     name = "full"
+    merges_tokens = False  # True for methods that shorten the audio at prefill (AffPool)
+    recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
 
     def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
         """Called once per sample before prefill."""

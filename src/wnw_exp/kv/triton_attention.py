@@ -1,0 +1,163 @@
+"""Triton decode attention over the dense part plus the ragged, packed audio part of one layer.
+
+Layout (one layer), all on the device, every length a device tensor so the call can be captured in a
+CUDA graph (no host synchronisation, fixed grid):
+- dense_k, dense_v: (H_kv, C_dense, D); the first `dense_len[0]` rows are valid (same for every head).
+- audio_k, audio_v: (C_audio, D) — every KV head's resident audio keys and values packed into one flat
+  buffer; head h owns rows [audio_off[h], audio_off[h] + audio_len[h]) (int32 tensors of shape (H_kv,)).
+- audio_pos: (C_audio,) the audio position (index in [0, n_audio)) of each packed row.
+
+Semantics are those of `AudioKVStore.attend` (the CPU reference): for each query head, softmax over the
+union of its KV head's dense keys and resident audio keys (the reference merges the two parts by
+log-sum-exp, which is the same thing), and, for observer query heads, the softmax weights at audio
+positions scattered into a dense (n_observe, n_audio) tensor, zero where a position is not resident.
+
+Three kernels (flash-decoding): a split-K partial pass over (KV head, key chunk) that handles all the
+query heads of a group with one tensor-core product, a combine pass over the chunks, and — only when
+observer heads are asked for — a pass that recomputes their audio scores and writes exp(s - lse).
+Triton is optional: import this module only where `triton` is installed (the `gpu` extra).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, alen_ptr,
+                    po_ptr, plse_ptr, scale,
+                    s_dk_h, s_dk_n, s_ak_n, N_SPLITS,
+                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                    BLOCK: tl.constexpr, TILES: tl.constexpr):
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    dlen = tl.load(dlen_ptr)
+    aoff = tl.load(aoff_ptr + h)
+    alen = tl.load(alen_ptr + h)
+    total = dlen + alen
+    start = sp * (TILES * BLOCK)
+    rows = tl.arange(0, G_PAD)
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + (h * G + rows)[:, None] * D + cols[None, :], mask=(rows < G)[:, None], other=0.0)
+    q = q.to(dk_ptr.dtype.element_ty)
+    m = tl.full((G_PAD,), -1.0e30, tl.float32)
+    lsum = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    n_tiles = tl.minimum(tl.cdiv(tl.maximum(total - start, 0), BLOCK), TILES)
+    for t in range(0, n_tiles):
+        idx = start + t * BLOCK + tl.arange(0, BLOCK)
+        in_d = idx < dlen
+        in_a = (idx >= dlen) & (idx < total)
+        arow = (aoff + idx - dlen).to(tl.int64)
+        d_off = h.to(tl.int64) * s_dk_h + idx.to(tl.int64)[:, None] * s_dk_n + cols[None, :]
+        a_off = arow[:, None] * s_ak_n + cols[None, :]
+        k = tl.load(dk_ptr + d_off, mask=in_d[:, None], other=0.0) + tl.load(ak_ptr + a_off, mask=in_a[:, None], other=0.0)
+        v = tl.load(dv_ptr + d_off, mask=in_d[:, None], other=0.0) + tl.load(av_ptr + a_off, mask=in_a[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where((in_d | in_a)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+    out = acc / tl.maximum(lsum, 1e-30)[:, None]
+    lse = tl.where(lsum > 0, m + tl.log(tl.maximum(lsum, 1e-30)), float("-inf"))
+    qh = h * G + rows
+    tl.store(po_ptr + (qh[:, None] * N_SPLITS + sp) * D + cols[None, :], out, mask=(rows < G)[:, None])
+    tl.store(plse_ptr + qh * N_SPLITS + sp, lse, mask=rows < G)
+
+
+@triton.jit
+def _combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, N_SPLITS,
+                    D: tl.constexpr, NS_PAD: tl.constexpr):
+    qh = tl.program_id(0)
+    sp = tl.arange(0, NS_PAD)
+    cols = tl.arange(0, D)
+    lse = tl.load(plse_ptr + qh * N_SPLITS + sp, mask=sp < N_SPLITS, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - mx), 0.0)
+    o = tl.load(po_ptr + (qh * N_SPLITS + sp)[:, None] * D + cols[None, :], mask=(sp < N_SPLITS)[:, None], other=0.0)
+    wsum = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / wsum
+    tl.store(out_ptr + qh * D + cols, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + qh, mx + tl.log(wsum))
+
+
+@triton.jit
+def _probs_kernel(q_ptr, ak_ptr, apos_ptr, aoff_ptr, alen_ptr, lse_ptr, obs_ptr, probs_ptr, scale,
+                  s_ak_n, n_audio,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    blk = tl.program_id(1)
+    qh = tl.load(obs_ptr + i)
+    h = qh // G
+    aoff = tl.load(aoff_ptr + h)
+    alen = tl.load(alen_ptr + h)
+    idx = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < alen
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + qh * D + cols).to(tl.float32)
+    arow = (aoff + idx).to(tl.int64)
+    k = tl.load(ak_ptr + arow[:, None] * s_ak_n + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    s = tl.sum(k * q[None, :], axis=1) * scale
+    lse = tl.load(lse_ptr + qh)
+    pos = tl.load(apos_ptr + arow, mask=ok, other=0)
+    tl.store(probs_ptr + i.to(tl.int64) * n_audio + pos, tl.exp(s - lse), mask=ok)
+
+
+def n_splits_for(max_keys: int, n_kv_heads: int, target_programs: int = 264) -> tuple[int, int]:
+    """(tiles per split, number of splits) for a per-head key bound: enough programs to fill the GPU."""
+    tiles_total = max(1, triton.cdiv(max_keys, BLOCK_N))
+    want = max(1, target_programs // max(n_kv_heads, 1))
+    tiles = max(1, triton.cdiv(tiles_total, want))
+    return tiles, triton.cdiv(tiles_total, tiles)
+
+
+def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, dense_len: torch.Tensor,
+                     audio_k: torch.Tensor, audio_v: torch.Tensor, audio_off: torch.Tensor,
+                     audio_len: torch.Tensor, scale: float, *, max_audio_per_head: int,
+                     audio_pos: torch.Tensor | None = None, observe: torch.Tensor | None = None,
+                     probs_out: torch.Tensor | None = None,
+                     scratch: dict | None = None) -> torch.Tensor:
+    """Single-query attention of one layer; returns (H_q, D) in q's dtype.
+
+    `max_audio_per_head` bounds every audio_len (a static number: it fixes the grid). When `observe`
+    (int32 query-head indices) is given, `probs_out` (len(observe), n_audio) float32 is zeroed and filled
+    with the softmax weights at resident audio positions. `scratch` (a dict) keeps the split buffers between
+    calls so that a captured graph reuses the same memory.
+    """
+    H_q, D = q.shape
+    H_kv = dense_k.shape[0]
+    G = H_q // H_kv
+    max_keys = dense_k.shape[1] + max_audio_per_head
+    tiles, n_splits = n_splits_for(max_keys, H_kv)
+    key = (H_q, D, n_splits)
+    s = scratch if scratch is not None else {}
+    if s.get("key") != key:
+        s.update(key=key,
+                 po=torch.empty(H_q, n_splits, D, device=q.device, dtype=torch.float32),
+                 plse=torch.empty(H_q, n_splits, device=q.device, dtype=torch.float32),
+                 lse=torch.empty(H_q, device=q.device, dtype=torch.float32))
+    out = torch.empty(H_q, D, device=q.device, dtype=q.dtype)
+    q = q.contiguous()
+    assert dense_k.stride(2) == 1 and audio_k.stride(1) == 1 and dense_k.stride() == dense_v.stride()
+    assert audio_k.stride() == audio_v.stride()
+    _partial_kernel[(H_kv, n_splits)](
+        q, dense_k, dense_v, dense_len, audio_k, audio_v, audio_off, audio_len, s["po"], s["plse"], scale,
+        dense_k.stride(0), dense_k.stride(1), audio_k.stride(0), n_splits,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, TILES=tiles,
+        num_stages=3 if dense_k.element_size() <= 2 else 1)  # fp32 tiles of 3 stages overflow shared memory
+    _combine_kernel[(H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
+                            NS_PAD=max(2, triton.next_power_of_2(n_splits)))
+    if observe is not None and len(observe):
+        assert probs_out is not None and audio_pos is not None
+        probs_out.zero_()
+        _probs_kernel[(len(observe), max(1, triton.cdiv(max_audio_per_head, BLOCK_N)))](
+            q, audio_k, audio_pos, audio_off, audio_len, s["lse"], observe, probs_out, scale,
+            audio_k.stride(0), probs_out.shape[1], G=G, D=D, BLOCK=BLOCK_N)
+    return out

@@ -35,6 +35,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_backbone(cfg: dict, device: torch.device, dtype: torch.dtype) -> Backbone:
     """Build the adapter for `cfg` (a `conf/model/*.yaml` as a dict) on `device` in `dtype`."""
     family = cfg["family"]
+    try:
+        backbone = _build(cfg, family)
+    except (WeightsNotFoundError, ValueError):
+        raise
+    except Exception as e:  # a truncated or corrupt checkpoint: one message, not a deep traceback
+        raise WeightsNotFoundError(f"could not load the weights of model {cfg['name']} "
+                                   f"({type(e).__name__}: {str(e)[:200]}); re-download them or fix model.path") from e
+    backbone.model.to(device=device, dtype=dtype)
+    return backbone
+
+
+def _build(cfg: dict, family: str) -> Backbone:
     if cfg.get("random"):
         from wnw_exp.backbones.tiny_random import build_tiny_random
 
@@ -45,7 +57,6 @@ def load_backbone(cfg: dict, device: torch.device, dtype: torch.dtype) -> Backbo
         backbone = _load_qwen_omni(cfg)
     else:
         raise ValueError(f"unknown model family {family!r} (voxtral, qwen_omni)")
-    backbone.model.to(device=device, dtype=dtype)
     return backbone
 
 

@@ -133,6 +133,14 @@ def find_weights(path: str | None, repo_id: str | None, required: tuple[str, ...
             raise WeightsNotFoundError(f"model weights folder {p} is incomplete: missing {', '.join(missing)}. {hint}.")
         if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
             raise WeightsNotFoundError(f"model weights folder {p} holds no *.safetensors weights. {hint}.")
+        for index in p.glob("*.safetensors.index.json"):
+            import json
+
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            absent = [s for s in shards if not (p / s).exists()]
+            if absent:
+                raise WeightsNotFoundError(f"model weights folder {p} is partial: {len(absent)} of {len(shards)} "
+                                           f"shards are missing ({', '.join(absent[:3])}). {hint}.")
         return p
     if repo_id:
         from huggingface_hub import snapshot_download

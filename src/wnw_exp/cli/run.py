@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -19,7 +20,12 @@ def main(cfg: DictConfig) -> None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    metrics = run(plain, run_dir, progress=cfg.progress and not os.environ.get("WNW_NO_PROGRESS"))
+    try:
+        metrics = run(plain, run_dir, progress=cfg.progress and not os.environ.get("WNW_NO_PROGRESS"))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # Bad input (config, weights, data root, a locked run directory): one clear line, no traceback.
+        print(f"wnw-run: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(summary_table(plain, metrics, run_dir))
 
 

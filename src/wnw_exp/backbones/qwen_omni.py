@@ -38,7 +38,9 @@ class QwenOmniBackbone(Backbone):
         replaces it for models without a tokenizer of their own (tests)."""
         self.name, self.model, self.processor, self.prompt_fn = name, model.eval(), processor, prompt_fn
         self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", None)
-        lm, cfg = model.model, model.config.text_config
+        # transformers <= 5.17 holds the text model at `model.model`; later releases at
+        # `model.model.language_model` (the thinker gained a base model wrapping all towers).
+        lm, cfg = getattr(model.model, "language_model", model.model), model.config.text_config
         self.layers, self.final_norm, self.rotary, self.embed_tokens = lm.layers, lm.norm, lm.rotary_emb, lm.embed_tokens
         if any(getattr(layer.self_attn, "sliding_window", None) for layer in self.layers):
             raise ValueError("sliding-window attention layers are not supported by the engine")

@@ -84,6 +84,13 @@ class Backbone:
         """Audio tokens a clip of `seconds` takes in the prompt (before any compute)."""
         return int(np.ceil(seconds * self.token_rate))
 
+    def count_tokens(self, text: str) -> int | None:
+        """Tokens of `text` as the model would write it (Figure 4 marks the reference length in steps)."""
+        try:
+            return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception:  # noqa: BLE001 - a tokenizer without that call: the length is just not known
+            return None
+
     def check_fits(self, seconds: float, max_new_tokens: int, prompt_overhead: int = 256) -> None:
         """Refuse audio whose prompt plus answer cannot fit the model's positions, before any compute."""
         need = self.audio_tokens_for(seconds) + max_new_tokens + prompt_overhead

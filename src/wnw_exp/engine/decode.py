@@ -102,7 +102,9 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
         store.write_prefill(li, k[0], v[0], span)
-        policy.place(li, PrefillScores(_post_audio_probs(q[0], k[0], span, attn.scaling)))
+        policy.place(li, PrefillScores(_probs_to_audio(q[0], k[0], span, attn.scaling, span[1]),
+                                       _probs_to_audio(q[0], k[0], span, attn.scaling,
+                                                       max(0, hidden.shape[1] - OBSERVATION_WINDOW))))
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     if packed:
@@ -154,18 +156,22 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
                         kept if keep_logits else None)
 
 
-def _post_audio_probs(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float) -> torch.Tensor:
-    """Softmax weights (H_q, n_post, n_audio) from the prompt tokens after the audio to the audio positions.
+OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included
+
+
+def _probs_to_audio(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float,
+                    first_row: int) -> torch.Tensor:
+    """Softmax weights (H_q, T - first_row, n_audio) from prompt rows first_row.. to the audio positions.
 
     Each row's softmax runs over every key it can see (causal), exactly as in the prefill attention.
     """
     s, e = span
     n_q, T, _ = q.shape
     g = n_q // k.shape[0]
-    if e >= T:
+    if first_row >= T:
         return q.new_zeros(n_q, 0, e - s)
     kk = k.repeat_interleave(g, dim=0).float()
-    scores = torch.einsum("hqd,hkd->hqk", q[:, e:].float(), kk) * scale  # (H_q, n_post, T)
-    rows = torch.arange(e, T, device=q.device)[:, None]
+    scores = torch.einsum("hqd,hkd->hqk", q[:, first_row:].float(), kk) * scale  # (H_q, n_rows, T)
+    rows = torch.arange(first_row, T, device=q.device)[:, None]
     scores = scores.masked_fill(torch.arange(T, device=q.device)[None, :] > rows, float("-inf"))
     return torch.softmax(scores, dim=-1)[:, :, s:e]

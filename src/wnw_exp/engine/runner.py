@@ -77,9 +77,10 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
             records.append(done[sample.id])
         else:
             record = _run_sample(sample, backbone, policy, cfg)
+            trace = record.pop("trace", None)
+            if trace is not None:  # the trace first: a sample is done once its prediction line exists
+                (run_dir / "trace" / f"{sample.id}.json").write_text(json.dumps(trace))
             append_prediction(run_dir, record)
-            if record.get("trace") is not None:
-                (run_dir / "trace" / f"{sample.id}.json").write_text(json.dumps(record.pop("trace")))
             records.append(record)
         counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in records if r.get("error") is None])
         bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-",
@@ -111,7 +112,8 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
                     r_gpu_cpu_end=s["r_gpu_cpu_end"], ms_per_token=_finite(res.ms_per_token),
                     mb_per_step=s["mb_per_step"], prefill_ms=res.prefill_ms, n_audio_tokens=prompt.n_audio,
                     audio_bytes_on_device=s["audio_bytes_on_device"], knobs=policy.knobs(), error=None,
-                    trace=dict(res.trace, reference_words=len(sample.reference.split())))
+                    trace=dict(res.trace, reference_words=len(sample.reference.split()),
+                               reference_tokens=backbone.count_tokens(sample.reference)))
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the run goes on

@@ -36,10 +36,13 @@ class PrefillScores:
     """Computed once by the engine per layer, for every method.
 
     `post_audio`: (H_q, n_post, n_audio_layer) softmax weights from each prompt token after the audio
-    (the observation window / the "text" of §2.3) to the layer's audio positions.
+    (the "text" of §2.3) to the layer's audio positions.
+    `last_window`: (H_q, min(32, T), n_audio_layer) the same from the last 32 prompt rows, audio rows
+    included (SnapKV's observation window when few text tokens follow the audio).
     """
 
     post_audio: torch.Tensor
+    last_window: torch.Tensor | None = None
 
 
 class Policy:

@@ -1,0 +1,151 @@
+"""ArkVale (Chen et al. 2024): page-based recallable eviction with key digests, on the audio region (§3.3).
+
+Recipe (per layer, per KV head; the text — ArkVale's sink and recent-window pages — stays in the dense part):
+1. Pages. A layer's n audio positions are cut into ceil(n / 32) contiguous pages whose sizes differ by at
+   most one token (31-32 for n >= 32·k). ArkVale pages the whole sequence from position 0, so in the audio
+   region its first and last pages would be partial anyway; equal sizes keep r_GPU on target when only a
+   few pages are resident.
+2. Digests (ArkVale's `_summarize_keys`), from the post-RoPE keys of each page: center = (max + min) / 2
+   per dimension, dist = mean |center - k| per dimension, hi = center + dist, lo = center - dist.
+3. Budget. P = retention * n_pages resident pages per head on average; the total
+   round(retention * n_pages * L * H_kv) is spread over the (layer, head) pairs as floor/ceil (the +1s
+   spaced evenly), so the measured r_GPU matches the target up to one token per page. top-k:
+   k = max(1, floor(topk_fraction * P_head)) pages (ArkVale's default page_topks = budget // 2).
+4. Prefill. Each head keeps its P_head best pages on the device, and every page, resident or not, gets a
+   host copy (ArkVale's `prefill_backup_pages`: a full CPU mirror, so r_GPU+CPU = 1 and any page can be
+   released later without loss). The page score at prefill is the attention of the
+   last prompt token, max over the page's positions, mean over the head's GQA group. (ArkVale scores the
+   digests against that token's query; the engine hands policies the attention weights instead, of which
+   the digest score is a bound — and the first decode step re-selects with digests anyway.)
+5. Each decode step, before attention (`before_attention`): page score = sum_d max(q_d * hi_d, q_d * lo_d),
+   mean over the head's GQA query heads (ArkVale's `estimate_scores` kernel and its group mean). The top-k
+   pages must be resident: each missing one is recalled from the host, and to make room the resident page
+   outside the top-k with the lowest score is released (its host copy persists) — ArkVale's `select_topk`.
+   Resident pages that stay above the lowest scores stay, so the resident count is always P_head.
+With retention 1.0 every page is resident and nothing moves: exactly Full's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from wnw_exp.methods import register
+from wnw_exp.methods.base import Policy, PrefillScores
+from wnw_exp.methods.scoring import balanced_bounds, spread_budget
+
+
+def page_table(bounds: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_pages, max page size) audio positions of each page, and which entries are real (not padding)."""
+    starts, sizes = bounds[:-1, None], (bounds[1:] - bounds[:-1])[:, None]
+    offset = torch.arange(int(sizes.max()))[None]
+    valid = offset < sizes
+    return torch.where(valid, starts + offset, starts).to(device), valid.to(device)
+
+
+def key_digests(keys: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, D) keys and page bounds -> (hi, lo), each (n_pages, D) in the keys' dtype (ArkVale keeps its
+    digests in the KV pool): center ± mean absolute deviation per dimension, computed in float32."""
+    idx, valid = page_table(bounds, keys.device)
+    k = keys.float()[idx]  # (n_pages, S, D)
+    pad = ~valid[..., None]
+    center = (k.masked_fill(pad, -math.inf).amax(dim=1) + k.masked_fill(pad, math.inf).amin(dim=1)) / 2
+    dist = (k - center[:, None]).abs().masked_fill(pad, 0).sum(dim=1) / valid.sum(dim=1, keepdim=True)
+    return (center + dist).to(keys.dtype), (center - dist).to(keys.dtype)
+
+
+def page_scores(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """q (H_kv, g, D) grouped by KV head, digests (H_kv, n_pages, D) -> (H_kv, n_pages) page scores.
+
+    sum_d max(q_d * hi_d, q_d * lo_d) per query head, then the mean over each KV head's group.
+    """
+    q = q.float()[:, :, None, :]
+    hi, lo = hi.float()[:, None], lo.float()[:, None]
+    return torch.maximum(q * hi, q * lo).sum(dim=-1).mean(dim=1)
+
+
+@register
+@dataclass(eq=False)
+class ArkVale(Policy):
+    name = "arkvale"
+
+    page_size: int = 32  # at most this many audio tokens per page
+    topk_fraction: float = 0.5  # pages that must be resident each step, as a fraction of the page budget
+    backbone_info: dict = field(default_factory=dict)
+
+    def start(self, ctx, store) -> None:
+        super().start(ctx, store)
+        self.bounds = balanced_bounds(ctx.n_audio, self.page_size)
+        n_pages = len(self.bounds) - 1
+        slots = ctx.n_layers * ctx.n_kv_heads
+        total = min(round(ctx.retention * n_pages * slots), n_pages * slots)
+        flat = spread_budget(total, slots)
+        self.budget = [flat[i * ctx.n_kv_heads:(i + 1) * ctx.n_kv_heads] for i in range(ctx.n_layers)]
+        # The packed GPU store applies releases lazily: a head may gain k pages before they are freed.
+        self.recall_headroom = self.page_size * max(1, math.floor(self.topk_fraction * max(flat, default=0)))
+        self.digests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (hi, lo) (H_kv, n_pages, D)
+        self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_pages) bool
+        self.n_recalled_pages = 0
+
+    def _positions(self, pages: torch.Tensor) -> torch.Tensor:
+        b = self.bounds
+        return torch.cat([torch.arange(int(b[p]), int(b[p + 1])) for p in pages.tolist()]) if len(pages) \
+            else torch.empty(0, dtype=torch.long)
+
+    def place(self, layer: int, scores: PrefillScores) -> None:
+        n_pages = len(self.bounds) - 1
+        if all(p == n_pages for p in self.budget[layer]):
+            return  # everything stays resident: Full
+        if scores.post_audio.shape[-1] != self.ctx.n_audio:
+            raise ValueError("arkvale pages the prompt's audio tokens; it cannot follow a merging method")
+        last = scores.post_audio[:, -1].float()  # (H_q, n): attention of the last prompt token
+        idx, valid = page_table(self.bounds, last.device)
+        page_max = last[:, idx].masked_fill(~valid, -math.inf).amax(dim=-1)  # (H_q, n_pages)
+        prefill = page_max.view(self.ctx.n_kv_heads, self.ctx.group, n_pages).mean(dim=1).cpu()
+        his, los, res = [], [], []
+        for head in range(self.ctx.n_kv_heads):
+            hi, lo = key_digests(self.store.heads[layer][head].gpu_k, self.bounds)
+            his.append(hi)
+            los.append(lo)
+            keep = torch.topk(prefill[head], self.budget[layer][head]).indices
+            resident = torch.zeros(n_pages, dtype=torch.bool)
+            resident[keep] = True
+            res.append(resident)
+            # The CPU mirror holds every page, resident ones included, so any page can be released later.
+            self.store.set_tiers(layer, head, self._positions(torch.sort(keep).values),
+                                 self._positions(torch.arange(n_pages)))
+        self.digests[layer] = (torch.stack(his), torch.stack(los))
+        self.resident[layer] = torch.stack(res)
+
+    def before_attention(self, layer: int, q: torch.Tensor) -> None:
+        if layer not in self.resident:
+            return
+        hi, lo = self.digests[layer]
+        scores = page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo).cpu()
+        for head in range(self.ctx.n_kv_heads):
+            p_head = self.budget[layer][head]
+            if p_head == 0:
+                continue
+            k = max(1, math.floor(self.topk_fraction * p_head))
+            score = scores[head]
+            top = torch.topk(score, k).indices
+            resident = self.resident[layer][head]
+            missing = top[~resident[top]]
+            if len(missing) == 0:
+                continue
+            candidates = resident.clone()
+            candidates[top] = False  # never evict a page of this step's top-k
+            pool = candidates.nonzero().flatten()
+            victims = pool[torch.topk(score[pool], len(missing), largest=False).indices]
+            self.store.release(layer, head, self._positions(victims))
+            self.store.recall(layer, head, self._positions(missing))
+            resident[victims] = False
+            resident[missing] = True
+            self.n_recalled_pages += len(missing)
+
+    def knobs(self) -> dict:
+        n_pages = len(self.bounds) - 1
+        mean_budget = sum(map(sum, self.budget)) / (self.ctx.n_layers * self.ctx.n_kv_heads)
+        return dict(n_pages=n_pages, page_budget=mean_budget, recalled_pages=self.n_recalled_pages)

@@ -1,0 +1,133 @@
+"""The calibration loop behind `wnw-calibrate`: samples -> per-sample scores -> head_scores.json.
+
+Knows nothing of Hydra: it takes plain dicts, like engine/runner.py.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype
+from wnw_exp.calibration.alignment import build_aligner
+from wnw_exp.calibration.head_scores import HeadScores, code_version
+from wnw_exp.calibration import triage
+from wnw_exp.calibration.scores import (answer_token_words, default_k_top, group_mean, score_sample,
+                                        token_audio_spans)
+from wnw_exp.engine.decode import generate, max_new_tokens_for
+from wnw_exp.data import build_dataset
+
+
+def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_tokens: int | None = None,
+              recall_samples: int | None = None, max_new_tokens: Callable[[float], int] | None = None,
+              progress: bool = True, log: Path | None = None) -> tuple[HeadScores, list[dict]]:
+    """Head scores of `backbone` over `dataset`, word spans from `aligner`. Returns the scores and one
+    record per sample (tokens counted, seconds). The first `recall_samples` samples (None: all) are then decoded
+    with WnW to measure its recall (`measure_recall_fraction`); `max_new_tokens(duration_s)` caps them."""
+    k = default_k_top(backbone.token_rate) if k_top in (None, "auto") else int(k_top)
+    hits, sens, records, forced = [], [], [], []
+    n_vs = n_hs = 0
+    for sample in tqdm(dataset, desc=f"calibrate {backbone.name}", disable=not progress, unit="sample"):
+        if sample.task != "transcribe":
+            raise ValueError(f"sample {sample.id} is a {sample.task!r} sample: calibrate on transcription data "
+                             "(word alignments of the reference must match the audio)")
+        words = aligner.words(sample)
+        audio = sample.audio()
+        prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
+        answer_ids, word_of = answer_token_words(backbone.tokenizer, sample.reference)
+        spans = token_audio_spans(word_of, words, backbone.token_rate, prompt.n_audio)
+        res = score_sample(backbone, prompt, answer_ids, spans, k, hs_tokens)
+        if recall_samples is None or len(forced) < recall_samples:
+            forced.append((prompt, len(audio) / 16000))
+        if res.hit is not None:
+            hits.append(res.hit)
+        sens.append(res.sensitivity)
+        n_vs += res.n_vs_tokens
+        n_hs += res.n_hs_tokens
+        rec = dict(id=sample.id, n_answer_tokens=len(answer_ids), n_aligned_words=sum(w is not None for w in words),
+                   n_words=len(words), n_vs_tokens=res.n_vs_tokens, n_hs_tokens=res.n_hs_tokens,
+                   n_audio_tokens=prompt.n_audio, seconds=round(res.seconds, 3))
+        records.append(rec)
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    if not sens:
+        raise ValueError("the calibration set is empty")
+    if not hits:
+        raise ValueError("no answer token had an aligned word: check the alignments (alignment.min_word_score, "
+                         "wnw-align output) — the voice score needs word spans")
+    hit_q = np.mean(hits, axis=0)  # (L, H_q): mean over samples of the per-sample token mean
+    info = backbone.describe()
+    scores = HeadScores(
+        model=info["name"], n_layers=info["n_layers"], n_q_heads=info["n_q_heads"], n_kv_heads=info["n_kv_heads"],
+        head_dim=info["head_dim"], token_rate=info["token_rate"],
+        voice_score=group_mean(hit_q, info["n_kv_heads"]), head_sensitivity=np.mean(sens, axis=0),
+        voice_score_q=hit_q,
+        calibration=dict(n_samples=len(sens), n_samples_with_aligned_tokens=len(hits), n_vs_tokens=n_vs,
+                         n_hs_tokens=n_hs, k_top=k, hs_tokens=hs_tokens, alignment=aligner.describe(),
+                         sample_ids=[r["id"] for r in records]),
+        code_version=code_version(),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+    if forced and max_new_tokens is not None:
+        scores.calibration["recall_fraction"] = measure_recall_fraction(backbone, forced, scores, max_new_tokens,
+                                                                        progress=progress)
+    return scores, records
+
+
+def measure_recall_fraction(backbone, prompts: list, scores: HeadScores, max_new_tokens: Callable[[float], int],
+                            retention: float = 0.2, progress: bool = False) -> dict:
+    """How much of the tidal heads' CPU complement WnW's chunk swap keeps on the device, measured.
+
+    The prompts (with their audio durations) are decoded greedily by the engine with WnW at `retention`
+    (default triage and chunk swap settings, lambda solved for the prefill footprint alone), and the
+    fraction of segments recalled after each step is averaged over steps, then samples. WnW's
+    `lam: auto` adds this expected recall to the prefill footprint, so that the measured r_GPU, not only
+    the prefill one, matches the target: §3.4 chooses lambda "so that the measured r_GPU matches each
+    target" on the calibration set. The fraction depends on the anchors' attention, hardly on lambda.
+    """
+    from wnw_exp.methods.wnw import WnW
+
+    policy = WnW(scores=scores, recall_fraction=0.0, backbone_info=backbone.describe())
+    per_sample, r_gpu = [], []
+    for prompt, duration in tqdm(prompts, desc="recall", disable=not progress, unit="sample"):
+        res = generate(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens(duration))
+        fractions = res.trace["wnw"]["recalled_fraction"]
+        if fractions:
+            per_sample.append(float(np.mean(fractions)))
+            r_gpu.append(res.store_summary["r_gpu"])
+    value = float(np.mean(per_sample)) if per_sample else 0.0
+    return dict(value=value, n_samples=len(per_sample), retention=retention, n_anchor=policy.n_anchor,
+                measured_r_gpu_without=float(np.mean(r_gpu)) if r_gpu else None, signal="vs_hs",
+                **triage.DEFAULT_SWAP)
+
+
+def run_calibration(cfg: dict, output: Path, progress: bool = True) -> HeadScores:
+    """`wnw-calibrate` without Hydra: `cfg` holds model, dataset, alignment, device, dtype, seed, k_top,
+    hs_tokens. Writes `output` (head_scores.json) and `calibration.jsonl` beside it."""
+    device = resolve_device(cfg.get("device", "auto"))
+    dtype = resolve_dtype(cfg.get("dtype", "auto"), device)
+    torch.manual_seed(cfg.get("seed", 0))
+    dataset = build_dataset(cfg["dataset"])
+    aligner = build_aligner(cfg["alignment"])
+    backbone = load_backbone(cfg["model"], device, dtype)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    log = output.parent / "calibration.jsonl"
+    log.unlink(missing_ok=True)
+    model = cfg["model"]
+    scores, _ = calibrate(backbone, dataset, aligner, k_top=cfg.get("k_top", "auto"), hs_tokens=cfg.get("hs_tokens"),
+                          recall_samples=cfg.get("recall_samples"),
+                          max_new_tokens=lambda seconds: max_new_tokens_for(
+                              seconds, model["max_new_tokens_per_second"], model["min_new_tokens"]),
+                          progress=progress, log=log)
+    scores.calibration["dataset"] = {k: v for k, v in cfg["dataset"].items()}
+    scores.calibration.update(device=str(device), dtype=str(dtype).replace("torch.", ""))
+    scores.save(output)
+    return scores

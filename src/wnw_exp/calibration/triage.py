@@ -1,0 +1,302 @@
+"""Head triage and prefill retention (§2.2, §2.3), as pure functions.
+
+Everything here works on per-(layer, KV head) arrays of shape (L, H_kv) and on one head's audio
+positions; nothing touches a model or the KV store, so each rule can be tested on hand-made numbers.
+
+- `importance`: the ranking signal, VS x HS (WnW), VS only or HS only (ablation A3).
+- `assign_roles`: top `n_voice` heads are voice heads, the top `n_anchor` of those anchors, the other
+  voice heads tidal, every other head fixed (ties broken by head index, layer-major).
+- `normalised_scores`: s~_i = score_i / max(score over non-anchor heads), so the best non-anchor head
+  has s~ = 1 and every s~ is in [0, 1] (anchors are pinned to 1; they keep everything anyway).
+- `retentions`: Eq. (1), retention_i = min(s~_i * lambda, 1); anchors 1.
+- `prefill_r_gpu` and `solve_lambda`: the on-device audio fraction right after prefill, counted exactly
+  as the per-segment selection keeps it (sum over segments of floor(retention * segment length); the
+  last segment may be shorter than n_s and is floored on its own length), and lambda found by bisection
+  so that fraction matches the target.
+- `select_positions`: per-segment top-floor(retention * n_s) (default) or one global top-k with the same
+  total (ablation A2).
+- `segment_bounds` / `chunk_bounds`: the segment and chunk grid of §2.3.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ANCHOR, TIDAL, FIXED = "anchor", "tidal", "fixed"
+SIGNALS = ("vs_hs", "vs", "hs")
+SELECTIONS = ("segment", "global")
+
+# §3.4: n_voice per target r_GPU. Voxtral (240 KV heads) 90/50/30/30 and Qwen2.5-Omni (72) 27/15/9/9
+# are the same fractions of the model's KV heads, so one table serves every model.
+N_VOICE_FRACTION = {0.2: 90 / 240, 0.4: 50 / 240, 0.6: 30 / 240, 0.8: 30 / 240}
+PAPER_N_ANCHOR = 5
+DEFAULT_SWAP = dict(chunk_seconds=4.0, stride_seconds=2.0, top_k=3, delta=3)  # §2.3
+_EPS = 1e-9  # floor(ret * n) must not lose a token to rounding (0.2 * 25 = 4.999...)
+
+
+class TriageError(ValueError):
+    """A triage setting that cannot be realised (e.g. anchors alone exceed the target budget)."""
+
+
+def importance(voice_score: np.ndarray, head_sensitivity: np.ndarray, signal: str = "vs_hs") -> np.ndarray:
+    """The triage signal per KV head: VS x HS (WnW), VS only or HS only (ablation A3)."""
+    vs, hs = np.asarray(voice_score, dtype=np.float64), np.asarray(head_sensitivity, dtype=np.float64)
+    if signal == "vs_hs":
+        return vs * hs
+    if signal == "vs":
+        return vs.copy()
+    if signal == "hs":
+        return hs.copy()
+    raise ValueError(f"unknown triage signal {signal!r}; choose one of {', '.join(SIGNALS)}")
+
+
+def default_n_voice(retention: float, n_heads: int) -> int:
+    """§3.4's n_voice for the nearest listed target (ties go to the lower target), scaled to the model."""
+    nearest = min(N_VOICE_FRACTION, key=lambda r: (abs(r - retention), r))
+    return max(1, min(n_heads, math.floor(N_VOICE_FRACTION[nearest] * n_heads + 0.5)))
+
+
+def default_n_anchor(retention: float, n_heads: int) -> int:
+    """The paper's 5 anchors, fewer on small models: anchors keep all their audio on the device, so they
+    may use at most half of the target budget (floor(0.5 * retention * heads), at least 1). Voxtral (240
+    heads) and Qwen2.5-Omni (72) get 5 at every target of §3.4; tiny_random (12 heads) gets 1."""
+    return max(1, min(PAPER_N_ANCHOR, math.floor(0.5 * retention * n_heads)))
+
+
+def swap_sizes(token_rate: float, chunk_seconds: float, stride_seconds: float) -> tuple[int, int]:
+    """(n_c, n_s) = (ceil(W_c r_tok), ceil(W_s r_tok)) of §2.3."""
+    return math.ceil(chunk_seconds * token_rate - 1e-9), math.ceil(stride_seconds * token_rate - 1e-9)
+
+
+def assign_roles(score: np.ndarray, n_voice: int, n_anchor: int) -> np.ndarray:
+    """(L, H) array of ANCHOR / TIDAL / FIXED from a (L, H) importance score."""
+    score = np.asarray(score, dtype=np.float64)
+    n = score.size
+    if not 0 <= n_voice <= n:
+        raise TriageError(f"n_voice={n_voice} is outside [0, {n}] (the model has {n} KV heads)")
+    if not 0 <= n_anchor <= n_voice:
+        raise TriageError(f"n_anchor={n_anchor} must be between 0 and n_voice={n_voice}: anchors are the top "
+                          "voice heads; lower n_anchor or raise n_voice")
+    order = np.argsort(-score.ravel(), kind="stable")
+    roles = np.full(n, FIXED, dtype=object)
+    roles[order[:n_voice]] = TIDAL
+    roles[order[:n_anchor]] = ANCHOR
+    return roles.reshape(score.shape)
+
+
+def normalised_scores(score: np.ndarray, roles: np.ndarray) -> np.ndarray:
+    """s~ in [0, 1]: the score divided by its maximum over non-anchor heads; anchors get 1.
+
+    Negative scores (not produced by VS or HS, which are >= 0) are clipped to 0. If every non-anchor
+    score is 0 they all get s~ = 1 (nothing tells them apart; lambda alone sets their retention).
+    """
+    score = np.clip(np.asarray(score, dtype=np.float64), 0, None)
+    other = roles != ANCHOR
+    top = score[other].max() if other.any() else 0.0
+    s = np.where(other, score / top if top > 0 else 1.0, 1.0)
+    return np.clip(s, 0.0, 1.0)
+
+
+def retentions(s_tilde: np.ndarray, roles: np.ndarray, lam: float) -> np.ndarray:
+    """Eq. (1): min(s~ * lambda, 1) per head; anchors keep everything."""
+    return np.where(roles == ANCHOR, 1.0, np.minimum(np.asarray(s_tilde) * lam, 1.0))
+
+
+def segment_bounds(n_audio: int, n_s: int) -> list[tuple[int, int]]:
+    """[start, end) of the n_s-token segments covering the audio; the last one may be shorter."""
+    if n_s <= 0:
+        raise ValueError("segment length must be positive")
+    return [(s, min(s + n_s, n_audio)) for s in range(0, n_audio, n_s)]
+
+
+def chunk_bounds(n_audio: int, n_c: int, n_s: int) -> list[tuple[int, int]]:
+    """[start, end) of the chunks: n_c tokens every n_s tokens (§2.3), clipped to the audio, the last
+    chunk the first one that reaches the end. With W_c = 2 W_s chunk c spans segments c and c + 1."""
+    if n_audio <= 0:
+        return []
+    chunks, start = [], 0
+    while True:
+        chunks.append((start, min(start + n_c, n_audio)))
+        if start + n_c >= n_audio:
+            return chunks
+        start += n_s
+
+
+def kept_per_head(ret: float, n_audio: int, n_s: int, retention_one_keeps_all: bool = True) -> int:
+    """Audio positions a non-anchor head keeps at prefill: sum over segments of floor(ret * length)."""
+    if retention_one_keeps_all and ret >= 1.0:
+        return n_audio
+    full, rest = divmod(n_audio, n_s)
+    return full * math.floor(ret * n_s + _EPS) + math.floor(ret * rest + _EPS)
+
+
+def prefill_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int) -> float:
+    """On-device audio fraction after prefill (§3.4's r_GPU before any recall)."""
+    if n_audio == 0:
+        return 1.0
+    kept = sum(n_audio if role == ANCHOR else kept_per_head(float(r), n_audio, n_s)
+               for r, role in zip(np.ravel(ret), np.ravel(roles)))
+    return kept / (np.size(roles) * n_audio)
+
+
+@dataclass
+class LambdaSolution:
+    lam: float
+    r_gpu: float  # realised prefill r_GPU (plus the expected recall when asked for)
+    saturated: bool  # every non-anchor head at retention 1
+
+
+def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, recall_fraction: float = 0.0) -> float:
+    """Prefill r_GPU plus the expected recall: on average a fraction `recall_fraction` of each tidal head's
+    CPU complement is on the device during decoding (0: the prefill footprint alone)."""
+    r = prefill_r_gpu(ret, roles, n_audio, n_s)
+    if recall_fraction and n_audio:
+        missing = sum(n_audio - kept_per_head(float(x), n_audio, n_s)
+                      for x, role in zip(np.ravel(ret), np.ravel(roles)) if role == TIDAL)
+        r += recall_fraction * missing / (np.size(roles) * n_audio)
+    return r
+
+
+def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, target: float,
+                 tolerance: float = 0.005, iterations: int = 100, recall_fraction: float = 0.0) -> LambdaSolution:
+    """lambda such that the realised prefill r_GPU (plus the expected recall, see `expected_r_gpu`) is as
+    close to `target` as the floors allow.
+
+    r(lambda) is a non-decreasing step function (for recall_fraction <= 1). Bisection brackets the first
+    step at or above the target; of that step and the one just below, the closer wins. Raises TriageError
+    when the anchors alone keep more than target + tolerance; warns when the steps are too coarse to come
+    within tolerance.
+    """
+    if not 0 <= recall_fraction <= 1:
+        raise ValueError(f"recall_fraction={recall_fraction} is outside [0, 1]")
+    others = roles != ANCHOR
+    positive = s_tilde[others & (s_tilde > 0)]
+    lam_max = 1.0 / positive.min() if positive.size else 1.0
+
+    def r(lam: float) -> float:
+        return expected_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, recall_fraction)
+
+    r_low, r_high = r(0.0), r(lam_max)
+    if r_low > target + tolerance:
+        n_anchor = int((roles == ANCHOR).sum())
+        raise TriageError(f"the {n_anchor} anchor heads alone keep r_GPU = {r_low:.3f} on the device, above the "
+                          f"target {target}: lower n_anchor (or raise the retention target)")
+    if r_high <= target:
+        return LambdaSolution(lam_max, r_high, True)
+    lo, hi = 0.0, lam_max  # r(lo) < target <= r(hi)
+    if r_low >= target:
+        return LambdaSolution(0.0, r_low, False)
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if r(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    r_lo, r_hi = r(lo), r(hi)
+    lam, got = (lo, r_lo) if target - r_lo < r_hi - target else (hi, r_hi)
+    if abs(got - target) > tolerance:
+        warnings.warn(f"lambda: the closest realisable prefill r_GPU is {got:.4f} for target {target} "
+                      f"({n_audio} audio tokens are too few for finer steps)", stacklevel=2)
+    return LambdaSolution(lam, got, bool(np.all(retentions(s_tilde, roles, lam)[others] >= 1.0)))
+
+
+def select_positions(scores: torch.Tensor, ret: float, n_s: int, selection: str = "segment") -> torch.Tensor:
+    """Audio positions (sorted, long) a non-anchor head keeps at prefill.
+
+    `segment`: within each n_s-token segment the top floor(ret * length) by score (uniform coverage);
+    `global`: the top-k over the whole head with k the same total (ablation A2). Ties keep the earlier
+    position.
+    """
+    n = scores.shape[0]
+    if selection not in SELECTIONS:
+        raise ValueError(f"unknown selection {selection!r}; choose one of {', '.join(SELECTIONS)}")
+    if ret >= 1.0:
+        return torch.arange(n, device=scores.device)
+    scores = scores.float()
+    if selection == "global":
+        k = kept_per_head(ret, n, n_s)
+        idx = _stable_topk(scores, k)
+        return torch.sort(idx).values
+    full, rest = divmod(n, n_s)
+    k_full = math.floor(ret * n_s + _EPS)
+    parts = []
+    if full and k_full:
+        block = scores[: full * n_s].view(full, n_s)
+        top = _stable_topk(block, k_full)  # (full, k_full)
+        parts.append((top + torch.arange(full, device=scores.device)[:, None] * n_s).flatten())
+    k_rest = math.floor(ret * rest + _EPS)
+    if rest and k_rest:
+        parts.append(_stable_topk(scores[full * n_s:], k_rest) + full * n_s)
+    if not parts:
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
+    return torch.sort(torch.cat(parts)).values
+
+
+def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim; equal values keep the earlier index."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def complement(positions: torch.Tensor, n: int) -> torch.Tensor:
+    """Sorted positions of [0, n) not in `positions`."""
+    keep = torch.ones(n, dtype=torch.bool, device=positions.device)
+    keep[positions] = False
+    return keep.nonzero().flatten()
+
+
+class ChunkSwap:
+    """The decode-time chunk selection and segment state machine of §2.3, on plain arrays.
+
+    `step(a)` takes one decode step's aggregated anchor attention A (n_audio,) and returns the selected
+    chunks (top-k by the mean of A over each chunk; ties: the earlier chunk), the segments to recall
+    (belonging to a selected chunk and not recalled yet) and the segments to release (recalled, and in
+    no selected chunk for `delta` consecutive steps). State is per segment and shared by all tidal heads,
+    which all follow the same anchor signal.
+    """
+
+    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int = 3, delta: int = 3):
+        self.segments = segment_bounds(n_audio, n_s) if n_audio else []
+        self.chunks = chunk_bounds(n_audio, n_c, n_s)
+        self.chunk_segments = [list(range(cs // n_s, (ce - 1) // n_s + 1)) for cs, ce in self.chunks]
+        self.top_k, self.delta = top_k, delta
+        self.recalled = np.zeros(len(self.segments), dtype=bool)
+        self.unselected = np.zeros(len(self.segments), dtype=np.int64)
+        if self.chunks:
+            self._starts = torch.tensor([s for s, _ in self.chunks])
+            self._ends = torch.tensor([e for _, e in self.chunks])
+
+    def select(self, a: torch.Tensor) -> list[int]:
+        c = torch.cat([a.new_zeros(1, dtype=torch.float64), torch.cumsum(a.double(), 0)])
+        starts, ends = self._starts.to(a.device), self._ends.to(a.device)
+        mean = (c[ends] - c[starts]) / (ends - starts)
+        k = min(self.top_k, len(self.chunks))
+        return sorted(torch.sort(mean, descending=True, stable=True).indices[:k].tolist())
+
+    def update(self, selected_chunks: list[int]) -> tuple[list[int], list[int]]:
+        wanted = sorted({s for c in selected_chunks for s in self.chunk_segments[c]})
+        recall = [s for s in wanted if not self.recalled[s]]
+        self.recalled[wanted] = True
+        self.unselected[wanted] = 0
+        idle = self.recalled.copy()
+        idle[wanted] = False
+        self.unselected[idle] += 1
+        release = np.flatnonzero(idle & (self.unselected >= self.delta)).tolist()
+        self.recalled[release] = False
+        self.unselected[release] = 0
+        return recall, release
+
+    def step(self, a: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+        if not self.chunks:
+            return [], [], []
+        selected = self.select(a)
+        return (selected, *self.update(selected))
+
+    @property
+    def recalled_fraction(self) -> float:
+        """Fraction of the audio's segments currently recalled."""
+        return float(self.recalled.mean()) if len(self.recalled) else 0.0

@@ -1,0 +1,186 @@
+"""WnW (§2.2-2.3): anchor / tidal / fixed heads, per-segment prefill selection, decode-time chunk swap.
+
+Triage (once per retention target, from `method.head_scores`): heads ranked by VS x HS (or VS, HS:
+`signal`, ablation A3); the top `n_voice` are voice heads, the top `n_anchor` of those anchors, the
+other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
+their audio, s~ = score / max score over non-anchor heads. With `lam: auto` lambda is solved per
+sample by bisection so that the prefill r_GPU (per-segment floors included) plus the expected recall
+(`recall_fraction` of the tidal heads' CPU complement, measured by wnw-calibrate; 0 = prefill only) is
+within `lambda_tolerance` of the target: §3.4 picks lambda so that the measured r_GPU matches it.
+
+Prefill (`place`): every non-anchor KV head ranks audio positions by the text-to-audio attention
+summed over the prompt tokens after the audio and over its GQA group's query heads, and keeps the top
+floor(retention * n_s) of each n_s-token segment (`selection: segment`) or one global top-k of the same
+total (`selection: global`, ablation A2). Tidal heads move the rest to the CPU tier, fixed heads drop
+it, anchors keep everything.
+
+Decode: at each step the anchors' softmax weights at audio positions, summed over every anchor
+(layer, query head) pair, give A_tau (Eq. 2), reset after the step. `after_step` scores each chunk by
+the mean of A over its positions, selects the top `top_k` chunks, and runs the segment state machine,
+shared by all tidal heads (they all follow the same anchor signal):
+- a segment of a selected chunk that is not recalled is recalled: its CPU-tier positions are copied to
+  the device for every tidal head (the host copy stays);
+- a recalled segment that belongs to no selected chunk for `delta` consecutive steps is released: the
+  positions it recalled leave the device again, so the segment returns to its prefill-selected subset.
+  Prefill-selected positions are never released: they are the GPU-side starting point of each segment
+  (§2.3: "a stable initial state for chunk swap"); only the recalled complement waxes and wanes.
+The decisions made after step s take effect at step s + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from wnw_exp.calibration import triage
+from wnw_exp.calibration.head_scores import resolve_head_scores
+from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.methods import register
+from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+
+
+@register
+class WnW(Policy):
+    name = "wnw"
+
+    def __init__(self, head_scores: str | None = None, n_voice: int | str = "auto", n_anchor: int | str = "auto",
+                 lam: float | str = "auto", lambda_tolerance: float = 0.005, signal: str = "vs_hs",
+                 selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
+                 top_k: int = 3, delta: int = 3, recall_fraction: float | str = "auto",
+                 backbone_info: dict | None = None, scores=None):
+        """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
+        self.scores = scores if scores is not None else resolve_head_scores(head_scores, backbone_info or {})
+        if backbone_info:
+            self.scores.check_matches(backbone_info)
+        if signal not in triage.SIGNALS:
+            raise ValueError(f"method.signal={signal!r}: choose one of {', '.join(triage.SIGNALS)}")
+        if selection not in triage.SELECTIONS:
+            raise ValueError(f"method.selection={selection!r}: choose one of {', '.join(triage.SELECTIONS)}")
+        if top_k < 1 or delta < 1 or chunk_seconds <= 0 or stride_seconds <= 0:
+            raise ValueError("method.top_k and method.delta must be >= 1, chunk and stride seconds > 0")
+        self.n_voice_cfg, self.n_anchor_cfg, self.lam_cfg = n_voice, n_anchor, lam
+        self.tolerance, self.signal, self.selection = float(lambda_tolerance), signal, selection
+        self.chunk_seconds, self.stride_seconds = float(chunk_seconds), float(stride_seconds)
+        self.top_k, self.delta = int(top_k), int(delta)
+        self.recall_fraction_cfg = recall_fraction
+        self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
+        self._triage_cache: dict[float, tuple] = {}
+
+    # --- triage (per retention target) -----------------------------------------------------------
+    def triage_for(self, retention: float) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(roles, s~, n_voice, n_anchor) for a target r_GPU."""
+        if retention not in self._triage_cache:
+            n = self.importance.size
+            nv = triage.default_n_voice(retention, n) if self.n_voice_cfg in (None, "auto") else int(self.n_voice_cfg)
+            na = triage.default_n_anchor(retention, n) if self.n_anchor_cfg in (None, "auto") else int(self.n_anchor_cfg)
+            if self.n_anchor_cfg in (None, "auto"):
+                na = min(na, nv)
+            roles = triage.assign_roles(self.importance, nv, na)
+            if na == 0 and (roles == triage.TIDAL).any():
+                raise triage.TriageError("tidal heads need at least one anchor head to drive the chunk swap: "
+                                         "set method.n_anchor >= 1")
+            s_tilde = triage.normalised_scores(self.importance, roles)
+            self._triage_cache[retention] = (roles, s_tilde, nv, na)
+        return self._triage_cache[retention]
+
+    # --- per sample -------------------------------------------------------------------------------
+    def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
+        super().start(ctx, store)
+        if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
+            raise ValueError(f"head scores are for {self.importance.shape} (layers, KV heads), the model has "
+                             f"{(ctx.n_layers, ctx.n_kv_heads)}")
+        self.roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
+        self.n_c, self.n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
+        n_a = ctx.n_audio
+        self.recall_fraction, self.recall_fraction_source = self._recall_fraction()
+        if self.lam_cfg in (None, "auto"):
+            sol = triage.solve_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention, self.tolerance,
+                                      recall_fraction=self.recall_fraction)
+            self.lam = sol.lam
+        else:
+            self.lam = float(self.lam_cfg)
+        self.retention = triage.retentions(s_tilde, self.roles, self.lam)
+        self.prefill_r_gpu = triage.prefill_r_gpu(self.retention, self.roles, n_a, self.n_s)
+        g = ctx.group
+        self.anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(self.roles[li] == triage.ANCHOR) for j in range(g)]
+                         for li in range(ctx.n_layers)}
+        self.has_anchors = any(self.anchor_q.values())
+        self.tidal = [(int(li), int(k)) for li, k in zip(*np.nonzero(self.roles == triage.TIDAL))]
+        self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta)
+        self.scores_acc = torch.zeros(n_a, device=ctx.device)
+        self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[])
+
+    def _recall_fraction(self) -> tuple[float, str]:
+        """Expected fraction of a tidal head's CPU complement on the device during decode (for lam=auto).
+
+        auto: the value wnw-calibrate measured by decoding calibration samples with WnW under the same triage
+        signal and chunk swap settings (`calibration.run.measure_recall_fraction`); 0 (the prefill
+        footprint alone) when the file has none that fits. A number overrides it; 0 targets the prefill
+        r_GPU as §2.2 literally states.
+        """
+        if self.recall_fraction_cfg not in (None, "auto"):
+            return float(self.recall_fraction_cfg), "config"
+        measured = self.scores.calibration.get("recall_fraction") or {}
+        same = (measured.get("signal") == self.signal and measured.get("top_k") == self.top_k
+                and measured.get("delta") == self.delta
+                and math.isclose(measured.get("chunk_seconds", -1), self.chunk_seconds)
+                and math.isclose(measured.get("stride_seconds", -1), self.stride_seconds))
+        value = measured.get("value") if same else None
+        return (float(value), "calibration") if value is not None else (0.0, "none (prefill target)")
+
+    def observe_heads(self, layer: int) -> list[int]:
+        return self.anchor_q.get(layer, [])
+
+    def place(self, layer: int, scores: PrefillScores) -> None:
+        post = scores.post_audio  # (H_q, n_post, n_audio)
+        H, g = self.ctx.n_kv_heads, self.ctx.group
+        per_head = post.float().sum(dim=1).view(H, g, -1).sum(dim=1)  # (H_kv, n_audio)
+        n_a = per_head.shape[-1]
+        for k in range(H):
+            role = self.roles[layer, k]
+            if role == triage.ANCHOR or self.retention[layer, k] >= 1.0:
+                continue
+            keep = triage.select_positions(per_head[k], float(self.retention[layer, k]), self.n_s, self.selection)
+            if role == triage.TIDAL:
+                self.store.set_tiers(layer, k, keep, triage.complement(keep, n_a))
+            else:
+                self.store.set_tiers(layer, k, keep)
+
+    def observe(self, layer: int, probs: torch.Tensor) -> None:
+        self.scores_acc += probs.sum(dim=0)
+
+    def after_step(self, step: int) -> None:
+        if not self.has_anchors:
+            return
+        selected, recall, release = self.swap.step(self.scores_acc)
+        self.scores_acc.zero_()  # A^(s) reflects only the current step
+        for seg in recall:
+            self._move(seg, recall=True)
+        for seg in release:
+            self._move(seg, recall=False)
+        self._trace["selected_chunks"].append(selected)
+        self._trace["recalled_segments"].append(recall)
+        self._trace["released_segments"].append(release)
+        self._trace["recalled_fraction"].append(self.swap.recalled_fraction)
+
+    def _move(self, seg: int, recall: bool) -> None:
+        start, end = self.swap.segments[seg]
+        for li, k in self.tidal:
+            cpu = self.store.heads[li][k].cpu_pos
+            if len(cpu) == 0:
+                continue
+            lo, hi = torch.searchsorted(cpu, torch.tensor([start, end])).tolist()
+            if hi > lo:
+                (self.store.recall if recall else self.store.release)(li, k, cpu[lo:hi])
+
+    # --- records ------------------------------------------------------------------------------------
+    def knobs(self) -> dict:
+        return dict(lam=self.lam, prefill_r_gpu=self.prefill_r_gpu, recall_fraction=self.recall_fraction,
+                    recall_fraction_source=self.recall_fraction_source, n_voice=self.n_voice, n_anchor=self.n_anchor,
+                    n_tidal=len(self.tidal), signal=self.signal, selection=self.selection, n_s=self.n_s,
+                    n_c=self.n_c, top_k=self.top_k, delta=self.delta, head_scores=self.scores.path)
+
+    def trace(self) -> dict:
+        return dict(wnw=self._trace, roles=self.roles.tolist(), retention=np.round(self.retention, 6).tolist())

@@ -1,0 +1,242 @@
+"""WnW: triage, the lambda solver, prefill selection, the chunk-swap state machine, and the Full limit."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import noise_audio, tiny_voxtral
+from wnw_exp.calibration import triage
+from wnw_exp.calibration.head_scores import HeadScores, HeadScoresError
+from wnw_exp.engine.decode import generate
+from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.methods import build_policy
+from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.methods.wnw import WnW
+
+A, T, F = triage.ANCHOR, triage.TIDAL, triage.FIXED
+
+
+def scores_for(vs, hs, name="tiny_test", n_q_heads=None, **calibration):
+    vs, hs = np.asarray(vs, float), np.asarray(hs, float)
+    L, H = vs.shape
+    return HeadScores(model=name, n_layers=L, n_q_heads=n_q_heads or 2 * H, n_kv_heads=H, head_dim=4,
+                      token_rate=12.5, voice_score=vs, head_sensitivity=hs, calibration=calibration)
+
+
+# --- triage ------------------------------------------------------------------------------------------
+VS = np.array([[0.9, 0.1, 0.5], [0.2, 0.8, 0.3]])
+HS = np.array([[1.0, 5.0, 1.0], [4.0, 0.5, 2.0]])
+
+
+def test_triage_on_given_scores():
+    score = triage.importance(VS, HS)  # [[.9 .5 .5] [.8 .4 .6]]
+    roles = triage.assign_roles(score, n_voice=4, n_anchor=2)
+    # order: .9 (0,0), .8 (1,0), .6 (1,2), .5 (0,1) before .5 (0,2) by index
+    assert roles.tolist() == [[A, T, F], [A, F, T]]
+    assert triage.assign_roles(triage.importance(VS, HS, "vs"), 3, 1).tolist() == [[A, F, T], [F, T, F]]
+    assert triage.assign_roles(triage.importance(VS, HS, "hs"), 2, 1).tolist() == [[F, A, F], [T, F, F]]
+    s = triage.normalised_scores(score, roles)  # max over non-anchors = .6
+    np.testing.assert_allclose(s, [[1, .5 / .6, .5 / .6], [1, .4 / .6, 1]])
+    np.testing.assert_allclose(triage.retentions(s, roles, 0.9), [[1, .75, .75], [1, .6, .9]])
+    with pytest.raises(triage.TriageError, match="n_anchor"):
+        triage.assign_roles(score, n_voice=2, n_anchor=3)
+    with pytest.raises(ValueError, match="signal"):
+        triage.importance(VS, HS, "bogus")
+
+
+def test_default_head_counts_follow_section_3_4():
+    assert [triage.default_n_voice(r, 240) for r in (0.2, 0.4, 0.6, 0.8)] == [90, 50, 30, 30]
+    assert [triage.default_n_voice(r, 72) for r in (0.2, 0.4, 0.6, 0.8)] == [27, 15, 9, 9]
+    assert triage.default_n_voice(0.1, 240) == 90 and triage.default_n_voice(0.3, 240) == 90
+    assert [triage.default_n_anchor(r, 240) for r in (0.1, 0.2, 0.8)] == [5, 5, 5]
+    assert [triage.default_n_anchor(r, 72) for r in (0.2, 0.4, 0.6, 0.8)] == [5, 5, 5, 5]
+    assert triage.default_n_anchor(0.2, 12) == 1 and triage.default_n_voice(0.2, 12) == 5
+
+
+# --- lambda --------------------------------------------------------------------------------------------
+def test_lambda_solver_meets_target_with_segment_floors():
+    rng = np.random.RandomState(0)
+    score = rng.rand(4, 6)
+    roles = triage.assign_roles(score, n_voice=8, n_anchor=2)
+    s = triage.normalised_scores(score, roles)
+    n_audio, n_s = 1037, 25  # a partial last segment of 12
+    for target in (0.1, 0.2, 0.4, 0.6):
+        sol = triage.solve_lambda(s, roles, n_audio, n_s, target)
+        ret = triage.retentions(s, roles, sol.lam)
+        kept = sum(n_audio if r == A else sum(int(np.floor(x * (e - b) + 1e-9)) for b, e in
+                                              triage.segment_bounds(n_audio, n_s))
+                   for x, r in zip(ret.ravel(), roles.ravel()))
+        assert sol.r_gpu == pytest.approx(kept / (24 * n_audio))
+        assert abs(sol.r_gpu - target) <= 0.005
+    sol = triage.solve_lambda(s, roles, n_audio, n_s, 1.0)
+    assert sol.saturated and sol.r_gpu == 1.0
+    with pytest.raises(triage.TriageError, match="anchor"):
+        triage.solve_lambda(s, roles, n_audio, n_s, 0.05)  # 2 anchors of 24 heads keep 8.3 %
+
+
+def test_lambda_solver_budgets_for_the_expected_recall():
+    score = np.arange(1, 13, dtype=float).reshape(3, 4)
+    roles = triage.assign_roles(score, n_voice=5, n_anchor=1)
+    s = triage.normalised_scores(score, roles)
+    plain = triage.solve_lambda(s, roles, 1000, 25, 0.2)
+    with_recall = triage.solve_lambda(s, roles, 1000, 25, 0.2, recall_fraction=0.3)
+    assert with_recall.lam < plain.lam
+    assert abs(with_recall.r_gpu - 0.2) <= 0.005
+    prefill = triage.prefill_r_gpu(triage.retentions(s, roles, with_recall.lam), roles, 1000, 25)
+    assert prefill < 0.2 - 0.01
+
+
+# --- prefill selection ------------------------------------------------------------------------------
+def test_per_segment_and_global_selection():
+    scores = torch.zeros(23)
+    scores[[0, 1, 2, 3]] = torch.tensor([9.0, 8.0, 7.0, 6.0])  # all the mass in segment 0
+    scores[[5, 9]] = torch.tensor([1.0, 2.0])
+    scores[[11, 14]] = torch.tensor([3.0, 0.5])
+    scores[[20, 22]] = torch.tensor([4.0, 5.0])  # last segment [20, 23): 3 tokens
+    per_seg = triage.select_positions(scores, 0.4, 5, "segment")  # floor(0.4*5)=2 per segment, floor(1.2)=1 last
+    assert per_seg.tolist() == [0, 1, 5, 9, 11, 14, 15, 16, 22]
+    glob = triage.select_positions(scores, 0.4, 5, "global")  # same total (9), no quota
+    assert len(glob) == 9 and glob.tolist() == [0, 1, 2, 3, 5, 9, 11, 20, 22]
+    assert triage.select_positions(scores, 1.0, 5).tolist() == list(range(23))
+    assert triage.select_positions(scores, 0.1, 5).tolist() == []
+    assert triage.complement(per_seg, 23).tolist() == [2, 3, 4, 6, 7, 8, 10, 12, 13, 17, 18, 19, 20, 21]
+
+
+def test_chunk_grid():
+    assert triage.segment_bounds(110, 25) == [(0, 25), (25, 50), (50, 75), (75, 100), (100, 110)]
+    assert triage.chunk_bounds(110, 50, 25) == [(0, 50), (25, 75), (50, 100), (75, 110)]
+    assert triage.chunk_bounds(40, 50, 25) == [(0, 40)]
+    assert triage.swap_sizes(12.5, 4.0, 2.0) == (50, 25) and triage.swap_sizes(25, 4.0, 2.0) == (100, 50)
+
+
+# --- the chunk swap, step by step ------------------------------------------------------------------
+def make_policy(n_audio=100, delta=3):
+    """2 layers x 2 KV heads (g=2): (0,0) anchor, (1,1) tidal, (0,1) fixed, (1,0) fixed; segments of 10
+    tokens (stride 0.8 s at 12.5 tokens/s), chunks of 20 (1.6 s), top-1 chunk."""
+    vs = np.array([[1.0, 0.2], [0.1, 0.5]])
+    policy = WnW(scores=scores_for(vs, np.ones((2, 2))), n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6,
+                 stride_seconds=0.8, top_k=1, delta=delta)
+    ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=n_audio,
+                        retention=0.3, device=torch.device("cpu"))
+    store = AudioKVStore(2, 2, 4, n_audio, torch.device("cpu"), torch.float32, dense_capacity=16)
+    policy.start(ctx, store)
+    torch.manual_seed(0)
+    for layer in range(2):
+        k = torch.randn(2, n_audio + 3, 4)
+        store.write_prefill(layer, k, k + 1, (1, 1 + n_audio))
+        # text-to-audio attention: the first positions of each segment score highest
+        post = torch.linspace(1.0, 0.0, 10).repeat(n_audio // 10)[None, None].expand(4, 2, n_audio)
+        policy.place(layer, PrefillScores(post.clone()))
+    return policy, store
+
+
+def focus(n_audio, chunk_start):
+    """Anchor attention concentrated on one chunk."""
+    p = torch.full((2, n_audio), 1e-4)
+    p[:, chunk_start:chunk_start + 20] = 0.05
+    return p
+
+
+def gpu_positions(store, layer, head):
+    return sorted(store.heads[layer][head].gpu_pos.tolist())
+
+
+def test_roles_and_prefill_tiers():
+    policy, store = make_policy()
+    assert policy.roles.tolist() == [[A, F], [F, T]]
+    assert policy.observe_heads(0) == [0, 1] and policy.observe_heads(1) == []
+    assert len(gpu_positions(store, 0, 0)) == 100  # anchor: everything
+    tidal = store.heads[1][1]
+    # retention(1,1) = min(1 * 0.5, 1) = 0.5 -> top 5 of each 10-token segment: positions 0-4 of each
+    assert gpu_positions(store, 1, 1) == [s + i for s in range(0, 100, 10) for i in range(5)]
+    assert sorted(tidal.cpu_pos.tolist()) == [s + i for s in range(0, 100, 10) for i in range(5, 10)]
+    # fixed heads: retention 0.5 * s~ (0.2/0.5 = 0.4 and 0.1/0.5 = 0.2) -> 2 and 1 per segment, rest dropped
+    assert len(gpu_positions(store, 0, 1)) == 20 and len(store.heads[0][1].cpu_pos) == 0
+    assert len(gpu_positions(store, 1, 0)) == 10 and len(store.heads[1][0].cpu_pos) == 0
+
+
+def test_chunk_swap_recall_timing_delta_lag_and_cpu_copy():
+    policy, store = make_policy(delta=3)
+    prefill = gpu_positions(store, 1, 1)
+    cpu_before = store.heads[1][1].cpu_pos.clone()
+    seg = lambda s: list(range(10 * s + 5, 10 * s + 10))  # the CPU part of segment s  # noqa: E731
+
+    def step(s, chunk_start):
+        policy.observe(0, focus(100, chunk_start))
+        policy.after_step(s)
+        store.end_step()
+        return set(gpu_positions(store, 1, 1)) - set(prefill)
+
+    # step 0: chunk 3 = segments 3, 4 -> recalled right after the step (for step 1)
+    assert step(0, 30) == set(seg(3) + seg(4))
+    assert store.steps[-1].h2d_bytes == 10 * 4 * 4 * 2  # 10 positions, K and V, float32, D=4
+    # the accumulator was reset: a new focus on chunk 5 (segments 5, 6) is not mixed with step 0's
+    assert step(1, 50) == set(seg(3) + seg(4) + seg(5) + seg(6))
+    assert policy._trace["selected_chunks"] == [[3], [5]]
+    # segments 3, 4 unselected at steps 1, 2, 3: released after the 3rd (delta = 3)
+    assert step(2, 50) == set(seg(3) + seg(4) + seg(5) + seg(6))
+    assert step(3, 50) == set(seg(5) + seg(6))
+    assert policy._trace["released_segments"][-1] == [3, 4]
+    # the host copy persists: CPU tier unchanged, and the segment can be recalled again
+    assert torch.equal(store.heads[1][1].cpu_pos, cpu_before)
+    assert step(4, 40) == set(seg(4) + seg(5) + seg(6))  # chunk 4 = segments 4, 5: only 4 is new
+    assert store.steps[-1].h2d_bytes == 5 * 4 * 4 * 2
+    assert store.steps[-1].n_gpu_cpu == store.steps[0].n_gpu_cpu  # recall never changes r_GPU+CPU
+    # prefill-selected positions are never released; fixed heads and anchors never move
+    assert set(prefill) <= set(gpu_positions(store, 1, 1))
+    assert len(gpu_positions(store, 0, 0)) == 100 and len(gpu_positions(store, 1, 0)) == 10
+
+
+def test_no_recall_before_a_step_and_delta_one():
+    policy, store = make_policy(delta=1)
+    prefill = gpu_positions(store, 1, 1)
+    policy.observe(0, focus(100, 0))
+    policy.after_step(0)
+    assert set(gpu_positions(store, 1, 1)) - set(prefill) == set(range(5, 10)) | set(range(15, 20))
+    policy.observe(0, focus(100, 80))
+    policy.after_step(1)  # delta = 1: segments 0, 1 go at once, 8, 9 come
+    assert set(gpu_positions(store, 1, 1)) - set(prefill) == set(range(85, 90)) | set(range(95, 100))
+
+
+# --- the Full limit ---------------------------------------------------------------------------------
+def test_all_voice_heads_with_large_lambda_is_full_cache():
+    backbone = tiny_voxtral()
+    backbone.eos_token_ids = [-1]
+    prompt = backbone.build_prompt(noise_audio(6.0))
+    full = generate(backbone, prompt, Policy(), retention=1.0, max_new_tokens=32, keep_logits=True)
+    vs = np.random.RandomState(1).rand(backbone.n_layers, backbone.n_kv_heads)
+    n = vs.size
+    wnw = WnW(scores=scores_for(vs, np.ones_like(vs), name="tiny_test", n_q_heads=backbone.n_q_heads),
+              n_voice=n, n_anchor=5, lam=1e9, backbone_info=backbone.describe())
+    ours = generate(backbone, prompt, wnw, retention=0.2, max_new_tokens=32, keep_logits=True)
+    assert ours.tokens == full.tokens
+    for a, b in zip(ours.logits, full.logits):
+        assert torch.equal(a, b)
+    assert ours.store_summary["r_gpu"] == 1.0 and ours.store_summary["mb_per_step"] == 0
+    assert len(wnw._trace["selected_chunks"]) == 31  # the swap ran, with nothing to move
+
+
+def test_wnw_meets_the_prefill_target_on_a_tiny_model():
+    backbone = tiny_voxtral()
+    prompt = backbone.build_prompt(noise_audio(20.0))
+    vs = np.random.RandomState(2).rand(backbone.n_layers, backbone.n_kv_heads)
+    wnw = WnW(scores=scores_for(vs, np.ones_like(vs), name="tiny_test", n_q_heads=backbone.n_q_heads),
+              recall_fraction=0.0, backbone_info=backbone.describe())
+    res = generate(backbone, prompt, wnw, retention=0.3, max_new_tokens=12)
+    assert abs(wnw.prefill_r_gpu - 0.3) <= 0.005
+    assert res.store_summary["r_gpu"] >= wnw.prefill_r_gpu - 1e-9
+    assert res.store_summary["r_gpu_cpu"] > res.store_summary["r_gpu"]
+    assert wnw.knobs()["n_anchor"] == 1 and wnw.knobs()["recall_fraction_source"] == "config"
+
+
+# --- the score file -----------------------------------------------------------------------------------
+def test_mismatched_head_scores_are_refused(tmp_path):
+    path = scores_for(VS, HS, name="voxtral").save(tmp_path / "head_scores.json")
+    info = dict(name="qwen_omni", n_layers=36, n_q_heads=16, n_kv_heads=2, head_dim=128, token_rate=25.0)
+    with pytest.raises(HeadScoresError, match="calibrated for model 'voxtral'.*uses model 'qwen_omni'.*wnw-calibrate"):
+        build_policy(dict(name="wnw", head_scores=str(path)), info)
+    with pytest.raises(HeadScoresError, match="no head-score file is shipped.*wnw-calibrate"):
+        build_policy(dict(name="wnw", head_scores=None), dict(info, name="no_such_model"))
+    ok = build_policy(dict(name="wnw", head_scores=str(path)),
+                      dict(name="voxtral", n_layers=2, n_q_heads=6, n_kv_heads=3, head_dim=4, token_rate=12.5))
+    assert ok.scores.voice_score.tolist() == VS.tolist()

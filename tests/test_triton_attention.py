@@ -147,7 +147,7 @@ def test_packed_store_matches_reference_through_moves():
             ref.set_tiers(li, h, gpu, cpu)
             fast.set_tiers(li, h, gpu, cpu)
     fast.compact(headroom=16)
-    assert fast.cap == 25 + 16
+    assert fast.caps.tolist() == [20 + 16, 25 + 16] * L  # each head: its resident rows + headroom
     scale = D ** -0.5
     for step in range(4):
         for li in range(L):
@@ -171,3 +171,23 @@ def test_packed_store_matches_reference_through_moves():
             torch.testing.assert_close(p.cpu(), p_ref.float(), atol=tol / 10, rtol=tol)
         assert ref.end_step() == fast.end_step()
     assert fast.audio_bytes_on_device() < L * H * n_audio * D * 2 * torch.finfo(dtype).bits // 8
+
+
+def test_packed_store_sizes_each_head_on_its_own():
+    """A head that keeps all its audio (a WnW anchor) must not make every other head hold as much."""
+    from wnw_exp.kv.packed import PackedAudioKVStore
+
+    L, H, D, n_audio = 2, 4, 16, 200
+    fast = PackedAudioKVStore(L, H, D, n_audio, DEVICE, torch.float32, dense_capacity=4)
+    for li in range(L):
+        fast.write_prefill(li, torch.randn(H, n_audio + 2, D).to(DEVICE), torch.randn(H, n_audio + 2, D).to(DEVICE),
+                           (1, n_audio + 1))
+        fast.set_tiers(li, 0, torch.arange(n_audio))  # anchor: everything, no host tier
+        fast.set_tiers(li, 1, torch.arange(0, n_audio, 10), torch.arange(5, n_audio, 10))  # tidal
+        for h in (2, 3):
+            fast.set_tiers(li, h, torch.arange(0, n_audio, 10))  # fixed: 10%, the rest dropped
+    fast.compact(headroom=30)
+    assert fast.caps.tolist() == [200, 20 + 30, 20, 20] * L
+    full = L * H * n_audio * D * 4 * 2
+    held = sum(fast.caps) * (D * 4 * 2 + 4) + L * H * 4  # K, V, positions (int32), lengths
+    assert fast.audio_bytes_on_device() == held < 0.38 * full  # (200 + 50 + 20 + 20) / 800 = 0.36 of K, V

@@ -5,13 +5,14 @@ Same interface and accounting as `AudioKVStore` (the reference): write_prefill, 
 release, attend, end_step, summary. What differs is only where bytes live:
 - dense part: one (L, H_kv, C_dense, D) buffer; one device counter `dense_len` shared by all layers
   (every layer sees the same non-audio tokens).
-- audio part: one (L * H_kv * cap, D) buffer; (layer, head) owns rows [(l*H + h)*cap, +cap) of which the
-  first `audio_len[l, h]` (a device int32 tensor) are resident. Row order inside a head is free
+- audio part: one flat (Σ cap_r, D) buffer; (layer, head) = row r owns the slots [base_r, base_r + cap_r)
+  of which the first `audio_len[l, h]` (a device int32 tensor) are resident. Row order inside a head is free
   (attention is order-free); `audio_pos` says which audio position each row holds.
 - host tier: a pinned mirror of every audio K/V written at prefill (ArkVale-style); which positions
   are recallable is tracked per head, exactly as in the reference.
-`compact(headroom)` after prefill shrinks `cap` to the largest resident count plus `headroom` rows, so
-the device memory held really drops (the old buffer is freed, not masked).
+`compact(headroom)` after prefill shrinks every head's capacity to its own resident count, plus `headroom`
+rows for heads with a recallable host tier, so the device memory held really drops (the old buffer is
+freed, not masked) even when some heads (WnW's anchors) keep all their audio.
 
 Moves are queued, never synchronised with the host: `recall` gathers host rows into a pinned staging
 buffer and copies them on a side stream into free rows past a head's length; `release` only marks rows.
@@ -33,10 +34,12 @@ class PackedAudioKVStore:
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
         L, H, D = n_layers, n_kv_heads, head_dim
-        self.cap = n_audio
-        self.audio_k = torch.empty(L * H * self.cap, D, device=device, dtype=dtype)
+        self.caps = np.full(L * H, n_audio, np.int64)  # slots each (layer, head) owns
+        self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each (layer, head)
+        self._layout = 0  # bumped when the slots move (cache key of the device offsets)
+        self.audio_k = torch.empty(L * H * n_audio, D, device=device, dtype=dtype)
         self.audio_v = torch.empty_like(self.audio_k)
-        self.audio_pos = torch.empty(L * H * self.cap, device=device, dtype=torch.int32)
+        self.audio_pos = torch.empty(L * H * n_audio, device=device, dtype=torch.int32)
         self.audio_len = torch.zeros(L, H, device=device, dtype=torch.int32)
         self.host_k = torch.empty(L, H, n_audio, D, dtype=dtype, pin_memory=self.device.type == "cuda")
         self.host_v = torch.empty_like(self.host_k, pin_memory=self.device.type == "cuda")
@@ -78,11 +81,10 @@ class PackedAudioKVStore:
             self.dense_len.fill_(n)
         self.dense_k[layer, :, : self._dense_n] = dk
         self.dense_v[layer, :, : self._dense_n] = torch.cat([v[:, :s], v[:, e:]], dim=1)
-        base = layer * H * self.cap
-        self.audio_k[base: base + H * self.cap].view(H, self.cap, D).copy_(k[:, s:e])
-        self.audio_v[base: base + H * self.cap].view(H, self.cap, D).copy_(v[:, s:e])
-        self.audio_pos[base: base + H * self.cap] = torch.arange(self.n_audio, device=self.device,
-                                                                 dtype=torch.int32).repeat(H)
+        base, n = int(self.base[layer * H]), self.n_audio  # before compact() every head owns n_audio slots
+        self.audio_k[base: base + H * n].view(H, n, D).copy_(k[:, s:e])
+        self.audio_v[base: base + H * n].view(H, n, D).copy_(v[:, s:e])
+        self.audio_pos[base: base + H * n] = torch.arange(n, device=self.device, dtype=torch.int32).repeat(H)
         self.audio_len[layer] = self.n_audio
         self.host_k[layer].copy_(k[:, s:e], non_blocking=True)
         self.host_v[layer].copy_(v[:, s:e], non_blocking=True)
@@ -96,10 +98,10 @@ class PackedAudioKVStore:
         on_host = np.zeros(self.n_audio, bool)
         if cpu is not None and len(cpu):
             cpu = np.asarray(cpu.detach().cpu(), np.int64)
-            if not self.resident[r, cpu].all() or np.isin(cpu, gpu).any():
-                raise ValueError("set_tiers: an offloaded position is not resident or is also kept")
-            on_host[cpu] = True
-        base = r * self.cap
+            if not self.resident[r, cpu].all():
+                raise ValueError("set_tiers: a position to offload is not GPU-resident")
+            on_host[cpu] = True  # may overlap `gpu`: a host mirror of resident positions (ArkVale)
+        base = int(self.base[r])
         src = torch.as_tensor(base + self.slot_of[r, gpu], device=self.device)
         dst = torch.arange(base, base + len(gpu), device=self.device)
         self.audio_k[dst] = self.audio_k[src]  # the right side is gathered first: no overlap hazard
@@ -115,19 +117,19 @@ class PackedAudioKVStore:
         self._union = None
 
     def compact(self, headroom: int = 0) -> None:
-        """Shrink every head's region to the largest resident count + `headroom` rows (frees memory)."""
-        L, H, D = self.n_layers, self.n_kv_heads, self.head_dim
-        new_cap = int(min(self.n_audio, self.n_rows.max() + headroom))
-        if new_cap == self.cap:
+        """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory)."""
+        recallable = self.on_host.any(axis=1)  # heads that never recall (anchors, fixed heads) need no headroom
+        new_caps = np.minimum(self.n_audio, self.n_rows + np.where(recallable, headroom, 0))
+        if np.array_equal(new_caps, self.caps):
             return
-        old = (self.audio_k.view(L * H, self.cap, D), self.audio_v.view(L * H, self.cap, D),
-               self.audio_pos.view(L * H, self.cap))
-        self.audio_k = old[0][:, :new_cap].reshape(L * H * new_cap, D).clone()
-        self.audio_v = old[1][:, :new_cap].reshape(L * H * new_cap, D).clone()
-        self.audio_pos = old[2][:, :new_cap].reshape(-1).clone()
-        self.row_pos = np.ascontiguousarray(self.row_pos[:, :new_cap])
-        self.cap = new_cap
-        del old
+        keep = np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)])
+        idx = torch.from_numpy(keep).to(self.device)
+        self.audio_k = self.audio_k[idx]  # new, exactly sized tensors: the old buffer is freed
+        self.audio_v = self.audio_v[idx]
+        self.audio_pos = self.audio_pos[idx]
+        self.caps = new_caps
+        self.base = np.concatenate([[0], np.cumsum(new_caps)])
+        self._layout += 1
 
     # --- moving between tiers -----------------------------------------------------------------
     def recall(self, layer: int, head: int, positions) -> int:
@@ -152,7 +154,7 @@ class PackedAudioKVStore:
         if not self.on_host[rows[:, None], pos].all():
             raise ValueError("recall: positions have no host copy (they were dropped)")
         queued = self._queued_n[rows]
-        if (self.n_rows[rows] + queued + pos.shape[1] > self.cap).any():
+        if (self.n_rows[rows] + queued + pos.shape[1] > self.caps[rows]).any():
             raise RuntimeError("recall: a head's region is full: compact() with more headroom")
         slots = self.n_rows[rows, None] + queued[:, None] + np.arange(pos.shape[1])
         np.add.at(self._queued_n, rows, pos.shape[1])
@@ -180,7 +182,7 @@ class PackedAudioKVStore:
         D = self.head_dim
         rows = np.concatenate([np.repeat(r, p.shape[1]) for r, p, _ in todo])
         pos = np.concatenate([p.ravel() for _, p, _ in todo])
-        dst = np.concatenate([(r[:, None] * self.cap + sl).ravel() for r, _, sl in todo])
+        dst = np.concatenate([(self.base[r][:, None] + sl).ravel() for r, _, sl in todo])
         n = len(pos)
         pin = self.device.type == "cuda"
         # Double-buffered pinned staging: the host waits only for the copy that used this buffer before.
@@ -238,11 +240,11 @@ class PackedAudioKVStore:
             n, c = pos.shape
             new_n = self.n_rows[rows] - c
             holes = self.slot_of[rows[:, None], pos]  # (n, c)
-            is_hole = np.zeros((n, self.cap + 1), bool)
+            is_hole = np.zeros((n, self.n_audio + 1), bool)
             np.put_along_axis(is_hole, holes, True, axis=1)
             tail = new_n[:, None] + np.arange(c)  # (n, c): the slots that fall off the end
             mover = ~np.take_along_axis(is_hole, tail, axis=1)
-            fill = is_hole[:, :-1] & (np.arange(self.cap)[None] < new_n[:, None])
+            fill = is_hole[:, :-1] & (np.arange(self.n_audio)[None] < new_n[:, None])
             mr, mc = np.nonzero(mover)  # row-major order: pairs line up head by head
             fr, fc = np.nonzero(fill)
             s_slot, d_slot = tail[mr, mc], fc
@@ -252,8 +254,8 @@ class PackedAudioKVStore:
             self.slot_of[r_m, moved_pos] = d_slot
             self.resident[np.repeat(rows, c), pos.ravel()] = False
             self.n_rows[rows] = new_n
-            src.append(r_m * self.cap + s_slot)
-            dst.append(r_m * self.cap + d_slot)
+            src.append(self.base[r_m] + s_slot)
+            dst.append(self.base[r_m] + d_slot)
         self._releases = []
         if src and sum(len(x) for x in src):
             s = torch.from_numpy(np.concatenate(src)).to(self.device, non_blocking=True)
@@ -269,10 +271,11 @@ class PackedAudioKVStore:
 
     # --- attention ----------------------------------------------------------------------------
     def offsets(self, layer: int) -> torch.Tensor:
-        key = ("off", layer, self.cap)
+        key = ("off", layer, self._layout)
         if key not in self._scratch[layer]:
-            self._scratch[layer][key] = (torch.arange(self.n_kv_heads, device=self.device, dtype=torch.int32)
-                                         + layer * self.n_kv_heads) * self.cap
+            H = self.n_kv_heads
+            self._scratch[layer][key] = torch.as_tensor(self.base[layer * H:(layer + 1) * H], dtype=torch.int32,
+                                                        device=self.device)
         return self._scratch[layer][key]
 
     def append_dense(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -288,7 +291,7 @@ class PackedAudioKVStore:
         dl = self._scratch[layer].setdefault("dlen_plus", torch.zeros(1, device=self.device, dtype=torch.long))
         torch.add(self.dense_len, 1, out=dl)
         return decode_attention(q, self.dense_k[layer], self.dense_v[layer], dl, self.audio_k, self.audio_v,
-                                self.offsets(layer), self.audio_len[layer], scale, max_audio_per_head=self.cap,
+                                self.offsets(layer), self.audio_len[layer], scale, max_audio_per_head=int(self.caps.max()),
                                 audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
                                 scratch=self._scratch[layer])
 

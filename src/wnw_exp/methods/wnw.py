@@ -92,7 +92,13 @@ class WnW(Policy):
             raise ValueError(f"head scores are for {self.importance.shape} (layers, KV heads), the model has "
                              f"{(ctx.n_layers, ctx.n_kv_heads)}")
         self.roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
+        if min(self.chunk_seconds, self.stride_seconds) * ctx.token_rate < 1:
+            raise ValueError(f"method.chunk_seconds={self.chunk_seconds} / stride_seconds={self.stride_seconds} is "
+                             f"shorter than one audio token ({1 / ctx.token_rate:.3f} s at {ctx.token_rate:g} "
+                             "tokens/s): use chunks of at least one token")
         self.n_c, self.n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
+        # Rows a tidal head may hold beyond its prefill selection: the chunks of the last delta+1 steps.
+        self.recall_headroom = min(ctx.n_audio, (self.delta + 1) * self.top_k * self.n_c)
         n_a = ctx.n_audio
         self.recall_fraction, self.recall_fraction_source = self._recall_fraction()
         if self.lam_cfg in (None, "auto"):

@@ -157,3 +157,32 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "wnw-run: error: retention=2 is outside (0, 1]: it is the fraction of audio KV kept on the device"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("method.n_voice=13", r"n_voice=13 is outside \[0, 12\] \(the model has 12 KV heads\)"),
+    ("method.chunk_seconds=0.05", "shorter than one audio token"),
+])
+def test_impossible_wnw_settings_are_refused_before_any_sample(override, message, finished_run):
+    with pytest.raises(ValueError, match=message):
+        run(config("model=tiny_random", "method=wnw", override), finished_run, progress=False)
+    assert_untouched(finished_run)
+
+
+def test_head_scores_of_another_model_are_refused(tmp_path, finished_run):
+    from wnw_exp.calibration.head_scores import HeadScoresError
+
+    shipped = Path(__file__).resolve().parents[1] / "src/wnw_exp/calibration/shipped/tiny_random.json"
+    other = json.loads(shipped.read_text())
+    other["model"] = "voxtral"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(HeadScoresError, match="voxtral"):
+        run(config("model=tiny_random", "method=wnw", f"method.head_scores={tmp_path / 'other.json'}"),
+            finished_run, progress=False)
+    layout = json.loads(shipped.read_text())
+    layout["n_kv_heads"] = 8
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    with pytest.raises(HeadScoresError):
+        run(config("model=tiny_random", "method=wnw", f"method.head_scores={tmp_path / 'layout.json'}"),
+            finished_run, progress=False)
+    assert_untouched(finished_run)

@@ -60,6 +60,7 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     torch.manual_seed(cfg["seed"])
     backbone = load_backbone(cfg["model"], device, dtype)
     policy = build_policy(cfg["method"], backbone.describe())
+    policy.check(cfg["retention"])
     if cfg.get("analysis") == "mismatch":
         from wnw_exp.engine.analysis import MismatchRecorder
 

@@ -52,6 +52,9 @@ class Policy:
     merges_tokens = False  # True for methods that shorten the audio at prefill (AffPool)
     recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
 
+    def check(self, retention: float) -> None:
+        """Refuse a configuration that cannot work, once before any sample (raise ValueError)."""
+
     def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
         """Called once per sample before prefill."""
         self.ctx, self.store = ctx, store

@@ -65,6 +65,7 @@ class WnW(Policy):
         self.chunk_seconds, self.stride_seconds = float(chunk_seconds), float(stride_seconds)
         self.top_k, self.delta = int(top_k), int(delta)
         self.recall_fraction_cfg = recall_fraction
+        self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         self._triage_cache: dict[float, tuple] = {}
 
@@ -85,6 +86,17 @@ class WnW(Policy):
             self._triage_cache[retention] = (roles, s_tilde, nv, na)
         return self._triage_cache[retention]
 
+    def check(self, retention: float) -> None:
+        self.triage_for(retention)  # n_voice / n_anchor against the model's heads
+        if self.token_rate:
+            self._check_chunks(self.token_rate)
+
+    def _check_chunks(self, token_rate: float) -> None:
+        if min(self.chunk_seconds, self.stride_seconds) * token_rate < 1:
+            raise ValueError(f"method.chunk_seconds={self.chunk_seconds} / stride_seconds={self.stride_seconds} is "
+                             f"shorter than one audio token ({1 / token_rate:.3f} s at {token_rate:g} "
+                             "tokens/s): use chunks of at least one token")
+
     # --- per sample -------------------------------------------------------------------------------
     def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
         super().start(ctx, store)
@@ -92,10 +104,7 @@ class WnW(Policy):
             raise ValueError(f"head scores are for {self.importance.shape} (layers, KV heads), the model has "
                              f"{(ctx.n_layers, ctx.n_kv_heads)}")
         self.roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
-        if min(self.chunk_seconds, self.stride_seconds) * ctx.token_rate < 1:
-            raise ValueError(f"method.chunk_seconds={self.chunk_seconds} / stride_seconds={self.stride_seconds} is "
-                             f"shorter than one audio token ({1 / ctx.token_rate:.3f} s at {ctx.token_rate:g} "
-                             "tokens/s): use chunks of at least one token")
+        self._check_chunks(ctx.token_rate)
         self.n_c, self.n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
         # Rows a tidal head may hold beyond its prefill selection: the chunks of the last delta+1 steps.
         self.recall_headroom = min(ctx.n_audio, (self.delta + 1) * self.top_k * self.n_c)

@@ -67,8 +67,12 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
-             keep_logits: bool = False) -> DecodeResult:
-    """Greedy decoding of one prompt with `policy` managing the audio KV."""
+             keep_logits: bool = False, store: str = "auto") -> DecodeResult:
+    """Greedy decoding of one prompt with `policy` managing the audio KV.
+
+    `store`: "reference" (AudioKVStore), "packed" (PackedAudioKVStore + Triton) or "auto" (packed on CUDA
+    when triton is installed and the method does not merge tokens).
+    """
     dev = backbone.device
     n_q, n_kv, d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
     total = prompt.input_ids.shape[1] + max_new_tokens
@@ -76,13 +80,19 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
                          f"the model's context of {backbone.max_positions} positions: use shorter audio")
     ctx = SampleContext(backbone.n_layers, n_q, n_kv, d, backbone.token_rate, prompt.n_audio, retention, dev)
-    store_cls = AudioKVStore
-    if dev.type == "cuda" and importlib.util.find_spec("triton") and not policy.merges_tokens:
-        # The packed store (one buffer per layer, Triton attention, recall on a side stream) is the
-        # fast path on CUDA; the reference store above is what it is tested against.
+    if store == "auto":
+        # The packed store (one buffer, Triton attention, recall on a side stream) is the fast path on
+        # CUDA; the reference store is what it is tested against.
+        fast = dev.type == "cuda" and importlib.util.find_spec("triton") and not policy.merges_tokens
+        store = "packed" if fast else "reference"
+    packed = store == "packed"
+    if packed:
         from wnw_exp.kv.packed import PackedAudioKVStore as store_cls
+    elif store == "reference":
+        store_cls = AudioKVStore
+    else:
+        raise ValueError(f"unknown store {store!r}: auto, reference or packed")
     store = store_cls(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
-    packed = store_cls is not AudioKVStore
     policy.start(ctx, store)
 
     _sync(dev)
@@ -104,7 +114,8 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         store.write_prefill(li, k[0], v[0], span)
         policy.place(li, PrefillScores(_probs_to_audio(q[0], k[0], span, attn.scaling, span[1]),
                                        _probs_to_audio(q[0], k[0], span, attn.scaling,
-                                                       max(0, hidden.shape[1] - OBSERVATION_WINDOW))))
+                                                       max(0, hidden.shape[1] - OBSERVATION_WINDOW)),
+                                       k[0, :, span[0]:span[1]]))
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     if packed:

@@ -321,7 +321,8 @@ class PackedAudioKVStore:
         return self.n_layers * self.n_kv_heads * self.n_audio
 
     def n_gpu(self) -> int:
-        return int(self.n_rows.sum())
+        # Queued moves count as done, as in the reference store, where recall/release act at once.
+        return int(self.n_rows.sum() + self._queued_n.sum() - sum(p.size for _, p in self._releases))
 
     def n_gpu_cpu(self) -> int:
         # Recall and release move only positions with a host copy, so the union changes only in set_tiers.

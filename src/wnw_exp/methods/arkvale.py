@@ -83,8 +83,10 @@ class ArkVale(Policy):
         total = min(round(ctx.retention * n_pages * slots), n_pages * slots)
         flat = spread_budget(total, slots)
         self.budget = [flat[i * ctx.n_kv_heads:(i + 1) * ctx.n_kv_heads] for i in range(ctx.n_layers)]
-        # The packed GPU store applies releases lazily: a head may gain k pages before they are freed.
-        self.recall_headroom = self.page_size * max(1, math.floor(self.topk_fraction * max(flat, default=0)))
+        # The packed GPU store applies releases lazily: a head may gain k pages before they are freed, and
+        # swapping pages of 31 and 32 tokens can grow its resident count by up to one token per page.
+        most = max(flat, default=0)
+        self.recall_headroom = self.page_size * max(1, math.floor(self.topk_fraction * most)) + most
         self.digests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (hi, lo) (H_kv, n_pages, D)
         self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_pages) bool
         self.n_recalled_pages = 0
@@ -106,7 +108,7 @@ class ArkVale(Policy):
         prefill = page_max.view(self.ctx.n_kv_heads, self.ctx.group, n_pages).mean(dim=1).cpu()
         his, los, res = [], [], []
         for head in range(self.ctx.n_kv_heads):
-            hi, lo = key_digests(self.store.heads[layer][head].gpu_k, self.bounds)
+            hi, lo = key_digests(scores.audio_keys[head], self.bounds)
             his.append(hi)
             los.append(lo)
             keep = torch.topk(prefill[head], self.budget[layer][head]).indices

@@ -39,10 +39,12 @@ class PrefillScores:
     (the "text" of §2.3) to the layer's audio positions.
     `last_window`: (H_q, min(32, T), n_audio_layer) the same from the last 32 prompt rows, audio rows
     included (SnapKV's observation window when few text tokens follow the audio).
+    `audio_keys`: (H_kv, n_audio_layer, D) the layer's audio keys after RoPE (ArkVale's page digests).
     """
 
     post_audio: torch.Tensor
     last_window: torch.Tensor | None = None
+    audio_keys: torch.Tensor | None = None
 
 
 class Policy:

@@ -125,6 +125,7 @@ class WnW(Policy):
         self.tidal = [(int(li), int(k)) for li, k in zip(*np.nonzero(self.roles == triage.TIDAL))]
         self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta)
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
+        self.offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[])
 
     def _recall_fraction(self) -> tuple[float, str]:
@@ -159,7 +160,8 @@ class WnW(Policy):
                 continue
             keep = triage.select_positions(per_head[k], float(self.retention[layer, k]), self.n_s, self.selection)
             if role == triage.TIDAL:
-                self.store.set_tiers(layer, k, keep, triage.complement(keep, n_a))
+                self.offloaded[(layer, k)] = torch.sort(triage.complement(keep, n_a).cpu()).values
+                self.store.set_tiers(layer, k, keep, self.offloaded[(layer, k)])
             else:
                 self.store.set_tiers(layer, k, keep)
 
@@ -183,8 +185,8 @@ class WnW(Policy):
     def _move(self, seg: int, recall: bool) -> None:
         start, end = self.swap.segments[seg]
         for li, k in self.tidal:
-            cpu = self.store.heads[li][k].cpu_pos
-            if len(cpu) == 0:
+            cpu = self.offloaded.get((li, k))
+            if cpu is None or len(cpu) == 0:
                 continue
             lo, hi = torch.searchsorted(cpu, torch.tensor([start, end])).tolist()
             if hi > lo:

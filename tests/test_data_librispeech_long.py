@@ -96,3 +96,24 @@ def test_corrupt_file_fails_lazily(root):
     with pytest.raises(AudioLoadError, match="121123_0000.flac"):
         samples[0].audio()
     assert len(samples[1].audio()) == 16000
+
+
+def test_wnw_run_on_a_generated_tree_end_to_end(root):
+    """`wnw-run dataset=librispeech_long dataset.root=<tree> model=tiny_random dataset.n=2`."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, WNW_NO_PROGRESS="1")
+    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", "dataset=librispeech_long",
+                          f"dataset.root={root}", "model=tiny_random", "dataset.n=2",
+                          f"runs_root={root / 'runs'}"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_dir = root / "runs" / "tiny_random" / "librispeech_long-test-clean" / "full" / "r0.2"
+    records = [json.loads(x) for x in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    expected = list(librispeech_long(root=str(root), split="test-clean", n=2, seed=0))  # the seeded sub-sample
+    assert [r["id"] for r in records] == [s.id for s in expected]
+    assert [r["reference"] for r in records] == [s.reference for s in expected]
+    assert all(r["error"] is None for r in records)
+    assert json.loads((run_dir / "metrics.json").read_text())["n_samples"] == 2

@@ -177,12 +177,12 @@ class Scripted:
 class FastDecoder:
     def __init__(self, model, ids, span, max_new: int, policy=None, retention: float = 1.0, chunk: int = 0,
                  n_tidal: int = 0):
-        from wnw_exp.engine.decode import _post_audio_probs, _qkv, apply_rope
+        from wnw_exp.engine.decode import apply_rope, prefill_scores, project_qkv
         from wnw_exp.kv.packed import PackedAudioKVStore
-        from wnw_exp.methods.base import PrefillScores, SampleContext
+        from wnw_exp.methods.base import SampleContext
 
         self.model, cfg = model, model.config
-        self._qkv, self._rope = _qkv, apply_rope
+        self._qkv, self._rope = project_qkv, apply_rope
         L, Hq, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.dims = (Hq, H, D)
         n_audio = span[1] - span[0]
@@ -199,12 +199,12 @@ class FastDecoder:
             for li, layer in enumerate(m.layers):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
-                q, k, v = _qkv(layer, x, Hq, H, D)
+                q, k, v = project_qkv(layer, x, Hq, H, D)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
                 self.store.write_prefill(li, k[0], v[0], span)
                 if policy is not None:
-                    policy.place(li, PrefillScores(_post_audio_probs(q[0], k[0], span, attn.scaling)))
+                    policy.place(li, prefill_scores(q[0], k[0], span, attn.scaling))
                 hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             logits = model.lm_head(m.norm(hidden[:, -1:]))

@@ -99,6 +99,15 @@ class Backbone:
             raise ValueError(f"audio of {seconds:.0f} s needs about {need} positions but {self.name} has "
                              f"{self.max_positions}: the limit is about {limit_s:.0f} s; cut the recording")
 
+    @staticmethod
+    def place_audio(embeds: torch.Tensor, audio: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+        """Write the audio encoder's output (n_audio, hidden) over the prompt's audio placeholders."""
+        s, e = prompt.audio_span
+        if audio.shape[0] != e - s:
+            raise ValueError(f"audio encoder gave {audio.shape[0]} tokens for {e - s} placeholders")
+        embeds[0, s:e] = audio.to(embeds.dtype)
+        return embeds
+
     # --- to implement -------------------------------------------------------------------------
     def build_prompt(self, audio: np.ndarray, task: str = "transcribe", language: str | None = "en",
                      target_language: str | None = None) -> Prompt:

@@ -81,11 +81,7 @@ class QwenOmniBackbone(Backbone):
         feats = prompt.audio_inputs["input_features"].to(self.device, self.dtype)
         mask = prompt.audio_inputs["feature_attention_mask"].to(self.device)
         audio = self.model.get_audio_features(feats, feature_attention_mask=mask).last_hidden_state
-        s, e = prompt.audio_span
-        if audio.shape[0] != e - s:
-            raise ValueError(f"audio encoder gave {audio.shape[0]} tokens for {e - s} placeholders")
-        embeds[0, s:e] = audio.to(embeds.dtype)
-        return embeds
+        return self.place_audio(embeds, audio, prompt)
 
     def prompt_positions(self, prompt: Prompt) -> torch.Tensor:
         ids = prompt.input_ids.to(self.device)

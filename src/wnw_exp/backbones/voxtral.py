@@ -95,11 +95,7 @@ class VoxtralBackbone(Backbone):
         embeds = self.embed_tokens(ids)
         feats = prompt.audio_inputs["input_features"].to(self.device, self.dtype)
         audio = self.model.get_audio_features(feats).pooler_output
-        s, e = prompt.audio_span
-        if audio.shape[0] != e - s:
-            raise ValueError(f"audio encoder gave {audio.shape[0]} tokens for {e - s} placeholders")
-        embeds[0, s:e] = audio.to(embeds.dtype)
-        return embeds
+        return self.place_audio(embeds, audio, prompt)
 
     def prompt_positions(self, prompt: Prompt) -> torch.Tensor:
         return torch.arange(prompt.input_ids.shape[1], device=self.device)[None]

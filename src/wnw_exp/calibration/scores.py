@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from wnw_exp.backbones.base import Backbone, Prompt
 from wnw_exp.data.base import Word
+from wnw_exp.engine.decode import apply_rope, project_qkv
 
 _ALNUM = re.compile(r"\w", re.UNICODE)
 
@@ -106,20 +107,6 @@ class SampleScores:
     seconds: float
 
 
-def _qkv(layer, x: torch.Tensor, n_q: int, n_kv: int, d: int):
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, n_q, d).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, n_kv, d).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, n_kv, d).transpose(1, 2)
-    return q, k, v
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-
-
 def gradient_tokens(n_targets: int, hs_tokens: int | None) -> list[int]:
     """Evenly spaced target indices whose loss gradient enters HS (all when hs_tokens is None)."""
     if hs_tokens is None or hs_tokens >= n_targets:
@@ -169,8 +156,8 @@ def score_sample(backbone: Backbone, prompt: Prompt, answer_ids: list[int],
             for li, layer in enumerate(backbone.layers):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
-                q, k, v = _qkv(layer, x, n_q, n_kv, d)
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+                q, k, v = project_qkv(layer, x, n_q, n_kv, d)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 keys.append(k)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
                 if vs_idx:

@@ -46,7 +46,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def _qkv(layer, x: torch.Tensor, n_q: int, n_kv: int, d: int):
+def project_qkv(layer, x: torch.Tensor, n_q: int, n_kv: int, d: int):
+    """q (1, H_q, T, D), k and v (1, H_kv, T, D) from a decoder layer's own projections (before RoPE)."""
     attn = layer.self_attn
     b, t, _ = x.shape
     q = attn.q_proj(x).view(b, t, n_q, d).transpose(1, 2)
@@ -108,14 +109,11 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         _, cos, sin = rope_cache
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
-        q, k, v = _qkv(layer, x, n_q, n_kv, d)
+        q, k, v = project_qkv(layer, x, n_q, n_kv, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
         store.write_prefill(li, k[0], v[0], span)
-        policy.place(li, PrefillScores(_probs_to_audio(q[0], k[0], span, attn.scaling, span[1]),
-                                       _probs_to_audio(q[0], k[0], span, attn.scaling,
-                                                       max(0, hidden.shape[1] - OBSERVATION_WINDOW)),
-                                       k[0, :, span[0]:span[1]]))
+        policy.place(li, prefill_scores(q[0], k[0], span, attn.scaling))
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     if packed:
@@ -144,7 +142,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         for li, layer in enumerate(backbone.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q, k, v = _qkv(layer, x, n_q, n_kv, d)
+            q, k, v = project_qkv(layer, x, n_q, n_kv, d)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             policy.before_attention(li, q[0, :, 0])
             out, probs = store.attend(li, q[0, :, 0], k[0, :, 0], v[0, :, 0], attn.scaling, observers[li])
@@ -168,6 +166,13 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included
+
+
+def prefill_scores(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float) -> PrefillScores:
+    """What every method's `place` gets for one layer: q (H_q, T, D), k (H_kv, T, D) after RoPE."""
+    return PrefillScores(_probs_to_audio(q, k, span, scale, span[1]),
+                         _probs_to_audio(q, k, span, scale, max(0, q.shape[1] - OBSERVATION_WINDOW)),
+                         k[:, span[0]:span[1]])
 
 
 def _probs_to_audio(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float,

@@ -22,5 +22,11 @@ run: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+FIGURES_MODEL ?= tiny_random
+
+# Every table and figure from outputs/runs; with no run directory yet, a small sweep on FIGURES_MODEL first.
+figures: $(STAMP)
+	FIGURES_MODEL=$(FIGURES_MODEL) BIN=$(BIN) HF_HUB_OFFLINE=1 scripts/make_figures.sh
+
 clean-venv:
 	rm -rf $(VENV)

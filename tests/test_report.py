@@ -20,7 +20,7 @@ from wnw_exp.report.specs import Cell, Matcher
 from wnw_exp.report.tables import table5, to_latex, to_markdown
 
 BIN = Path(sys.executable).parent
-SMALL = ["dataset.min_seconds=4", "dataset.max_seconds=5", "model.max_new_tokens_per_second=1",
+SMALL = ["model=tiny_random", "dataset.min_seconds=4", "dataset.max_seconds=5", "model.max_new_tokens_per_second=1",
          "model.min_new_tokens=4", "progress=false"]
 
 

@@ -7,8 +7,8 @@
 # directories present it only reports. The tiny model stands in for the paper's backbones and the
 # synthetic test split for LibriSpeech-Long test-clean (see the report's notes); nothing is filled in.
 #
-# Settings (environment): FIGURES_MODEL (tiny), FIGURES_N clips (3), FIGURES_MIN_SECONDS (40),
-# FIGURES_MAX_SECONDS (55), FIGURES_METHODS, FIGURES_JOBS parallel runs (2; the joblib launcher when
+# Settings (environment): FIGURES_MODEL (tiny), FIGURES_N clips (2), FIGURES_MIN_SECONDS (60),
+# FIGURES_MAX_SECONDS (80), FIGURES_METHODS, FIGURES_JOBS parallel runs (2; the joblib launcher when
 # hydra-joblib-launcher is installed), FIGURES_ARGS (extra wnw-run overrides, space-separated),
 # RUNS (outputs/runs), OUT (outputs/report), BIN (.venv/bin).
 set -euo pipefail
@@ -18,9 +18,9 @@ BIN=${BIN:-.venv/bin}
 RUNS=${RUNS:-outputs/runs}
 OUT=${OUT:-outputs/report}
 MODEL=${FIGURES_MODEL:-tiny}
-N=${FIGURES_N:-3}
-MIN_S=${FIGURES_MIN_SECONDS:-40}
-MAX_S=${FIGURES_MAX_SECONDS:-55}
+N=${FIGURES_N:-2}
+MIN_S=${FIGURES_MIN_SECONDS:-60}
+MAX_S=${FIGURES_MAX_SECONDS:-80}
 JOBS=${FIGURES_JOBS:-2}
 METHODS=${FIGURES_METHODS:-adakv,audiokv,arkvale,affpool,wnw}
 failed=()

@@ -25,10 +25,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from wnw_exp.kv.store import StepRecord
+from wnw_exp.kv.store import StepAccounting, StepRecord
 
 
-class PackedAudioKVStore:
+class PackedAudioKVStore(StepAccounting):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
                  dtype: torch.dtype, dense_capacity: int):
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
@@ -330,23 +330,8 @@ class PackedAudioKVStore:
             self._union = int((self.resident | self.on_host).sum())
         return self._union
 
-    def end_step(self) -> StepRecord:
-        rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)
-        self.steps.append(rec)
-        self._h2d_this_step = 0
-        return rec
-
     def audio_bytes_on_device(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
-
-    def summary(self) -> dict:
-        full = max(self.n_full, 1)
-        steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
-        return dict(r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
-                    r_gpu_cpu=sum(s.n_gpu_cpu for s in steps) / len(steps) / full,
-                    r_gpu_end=steps[-1].n_gpu / full, r_gpu_cpu_end=steps[-1].n_gpu_cpu / full,
-                    mb_per_step=sum(s.h2d_bytes for s in steps) / len(steps) / 1e6,
-                    audio_bytes_on_device=self.audio_bytes_on_device())
 
 
 class _null:

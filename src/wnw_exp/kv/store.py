@@ -31,8 +31,35 @@ class StepRecord:
     h2d_bytes: int  # bytes copied host -> device during the step
 
 
+class StepAccounting:
+    """§3.4 accounting shared by every store: one StepRecord per decode step, and the run's summary.
+
+    A store provides `n_full`, `n_gpu()`, `n_gpu_cpu()`, `audio_bytes_on_device()`, a `steps` list
+    and the `_h2d_this_step` byte counter its recalls add to.
+    """
+
+    def end_step(self) -> StepRecord:
+        rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)
+        self.steps.append(rec)
+        self._h2d_this_step = 0
+        return rec
+
+    def summary(self) -> dict:
+        """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, MB/step, bytes held."""
+        full = max(self.n_full, 1)
+        steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
+        return dict(
+            r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
+            r_gpu_cpu=sum(s.n_gpu_cpu for s in steps) / len(steps) / full,
+            r_gpu_end=steps[-1].n_gpu / full,
+            r_gpu_cpu_end=steps[-1].n_gpu_cpu / full,
+            mb_per_step=sum(s.h2d_bytes for s in steps) / len(steps) / 1e6,
+            audio_bytes_on_device=self.audio_bytes_on_device(),
+        )
+
+
 @dataclass
-class AudioKVStore:
+class AudioKVStore(StepAccounting):
     n_layers: int
     n_kv_heads: int
     head_dim: int
@@ -196,33 +223,11 @@ class AudioKVStore:
         return sum(len(t.gpu_pos) for layer in self.heads for t in layer)
 
     def n_gpu_cpu(self) -> int:
-        total = 0
-        for layer in self.heads:
-            for t in layer:
-                total += len(t.gpu_pos) + int((~torch.isin(t.cpu_pos, t.gpu_pos.cpu())).sum()) if len(t.cpu_pos) \
-                    else len(t.gpu_pos)
-        return total
-
-    def end_step(self) -> StepRecord:
-        rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)
-        self.steps.append(rec)
-        self._h2d_this_step = 0
-        return rec
+        """Positions on the device or recallable from the host (their union)."""
+        return sum(len(t.gpu_pos) + int((~torch.isin(t.cpu_pos, t.gpu_pos.cpu())).sum())
+                   for layer in self.heads for t in layer)
 
     def audio_bytes_on_device(self) -> int:
         """Physical bytes of the device-resident audio K and V (storage sizes, not element counts)."""
         return sum(t.gpu_k.untyped_storage().nbytes() + t.gpu_v.untyped_storage().nbytes()
                    for layer in self.heads for t in layer)
-
-    def summary(self) -> dict:
-        """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, MB/step, bytes held."""
-        full = max(self.n_full, 1)
-        steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
-        return dict(
-            r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
-            r_gpu_cpu=sum(s.n_gpu_cpu for s in steps) / len(steps) / full,
-            r_gpu_end=steps[-1].n_gpu / full,
-            r_gpu_cpu_end=steps[-1].n_gpu_cpu / full,
-            mb_per_step=sum(s.h2d_bytes for s in steps) / len(steps) / 1e6,
-            audio_bytes_on_device=self.audio_bytes_on_device(),
-        )

@@ -14,6 +14,7 @@ from helpers import noise_audio, tiny_voxtral
 from wnw_exp.backbones.word_tokenizer import build_word_tokenizer
 from wnw_exp.calibration.alignment import (AlignmentError, OracleAligner, WhisperXAligner, alignment_filename,
                                            build_aligner, parse_whisperx)
+from wnw_exp.calibration import triage
 from wnw_exp.calibration.head_scores import FORMAT, HeadScores, HeadScoresError
 from wnw_exp.calibration.scores import (answer_token_words, default_k_top, gradient_tokens, group_mean,
                                         score_sample, token_audio_spans)
@@ -171,7 +172,12 @@ def test_oracle_calibration_end_to_end(tmp_path):
     cal = d["calibration"]
     assert cal["n_samples"] == 1 and cal["n_vs_tokens"] > 10 and cal["n_hs_tokens"] == 3 and cal["k_top"] == 4
     assert cal["alignment"] == {"name": "oracle"} and cal["dataset"]["split"] == "calib"
-    assert 0 <= cal["recall_fraction"]["value"] <= 1 and cal["recall_fraction"]["n_samples"] == 1
+    mob = cal["swap_mobility"]
+    assert mob["n_samples"] == 1 and 0 <= mob["value"] <= 1 and len(mob["mean_resident_segments"]) == 1
+    # the value is the sample's mean recalled-segment count mapped through the estimate's bounds (8 s clip:
+    # padded to 30 s = 375 tokens, 15 segments; bounds 4 and 15)
+    assert mob["value"] == pytest.approx(triage.mobility_of(mob["mean_resident_segments"][0], 375, 25, 50, 3, 3))
+    assert (mob["top_k"], mob["delta"], mob["signal"]) == (3, 3, "vs_hs")
     assert d["code_version"]["wnw_exp"]
     loaded = HeadScores.load(out)
     loaded.check_matches(dict(name="tiny_random", n_layers=3, n_q_heads=8, n_kv_heads=4))

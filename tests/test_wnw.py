@@ -11,7 +11,7 @@ from wnw_exp.engine.decode import generate
 from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
-from wnw_exp.methods.wnw import WnW
+from wnw_exp.methods.wnw import DEFAULT_MOBILITY, WnW
 
 A, T, F = triage.ANCHOR, triage.TIDAL, triage.FIXED
 
@@ -79,11 +79,80 @@ def test_lambda_solver_budgets_for_the_expected_recall():
     roles = triage.assign_roles(score, n_voice=5, n_anchor=1)
     s = triage.normalised_scores(score, roles)
     plain = triage.solve_lambda(s, roles, 1000, 25, 0.2)
-    with_recall = triage.solve_lambda(s, roles, 1000, 25, 0.2, recall_fraction=0.3)
+    with_recall = triage.solve_lambda(s, roles, 1000, 25, 0.2, resident_fraction=0.3)
     assert with_recall.lam < plain.lam
     assert abs(with_recall.r_gpu - 0.2) <= 0.005
-    prefill = triage.prefill_r_gpu(triage.retentions(s, roles, with_recall.lam), roles, 1000, 25)
+    ret = triage.retentions(s, roles, with_recall.lam)
+    prefill = triage.prefill_r_gpu(ret, roles, 1000, 25)
     assert prefill < 0.2 - 0.01
+    missing = sum(1000 - triage.kept_per_head(x, 1000, 25) for x, r in zip(ret.ravel(), roles.ravel()) if r == T)
+    assert with_recall.r_gpu == pytest.approx(prefill + 0.3 * missing / (12 * 1000))
+    with pytest.raises(ValueError, match="resident_fraction"):
+        triage.solve_lambda(s, roles, 1000, 25, 0.2, resident_fraction=1.5)
+    # 1 anchor (1/12 = 0.083) + 4 tidal heads recalling 40 % of everything they miss at lambda = 0 (0.133):
+    # no lambda reaches 0.2; the closest is 0, with a warning, not an error blaming the anchors
+    with pytest.warns(UserWarning, match="expected recall"):
+        low = triage.solve_lambda(s, roles, 1000, 25, 0.2, resident_fraction=0.4)
+    assert low.lam == 0.0 and low.r_gpu == pytest.approx(1 / 12 + 4 / 12 * 0.4)
+
+
+# --- the expected decode-time recall ------------------------------------------------------------------
+def test_resident_segment_bounds_by_hand():
+    # 1000 tokens, n_s 25, n_c 50: 40 segments, 39 chunks of w = 2 segments; top 3, delta 3
+    assert triage.resident_segment_bounds(1000, 25, 50, 3, 3) == (4, 18)  # 3 + 2 - 1, 3 * 3 * 2
+    assert triage.resident_segment_bounds(1000, 25, 50, 1, 1) == (2, 2)  # one chunk, no lag: its 2 segments
+    assert triage.resident_segment_bounds(1000, 25, 50, 2, 5) == (3, 20)
+    assert triage.resident_segment_bounds(1000, 25, 30, 3, 3) == (4, 18)  # 30 tokens still straddle 2 segments
+    assert triage.resident_segment_bounds(1000, 25, 20, 3, 3) == (3, 9)  # chunk inside its segment: w = 1
+    assert triage.resident_segment_bounds(110, 25, 50, 3, 3) == (4, 5)  # 5 segments, 4 chunks: capped
+    assert triage.resident_segment_bounds(60, 25, 50, 3, 3) == (3, 3)  # 2 chunks <= top 3: always everything
+    assert triage.resident_segment_bounds(0, 25, 50, 3, 3) == (0, 0)
+    assert triage.expected_resident_segments(1000, 25, 50, 3, 3, 0.5) == pytest.approx(11.0)
+    assert triage.expected_resident_segments(1000, 25, 50, 3, 3, 0.0) == 4
+    assert triage.expected_resident_segments(1000, 25, 50, 3, 3, 1.0) == 18
+    assert triage.expected_resident_segments(110, 25, 50, 3, 3, 0.5) == pytest.approx(4.5)
+    assert triage.mobility_of(11.0, 1000, 25, 50, 3, 3) == pytest.approx(0.5)
+    assert triage.mobility_of(30.0, 1000, 25, 50, 3, 3) == 1.0 and triage.mobility_of(2.0, 1000, 25, 50, 3, 3) == 0.0
+    assert triage.mobility_of(3.0, 60, 25, 50, 3, 3) is None
+    with pytest.raises(ValueError, match="mobility"):
+        triage.expected_resident_segments(1000, 25, 50, 3, 3, 1.2)
+
+
+def test_the_bounds_are_what_the_chunk_swap_does():
+    """Stationary attention holds R_min segments; k new disjoint chunks per step hold R_max after delta steps."""
+    n_a, n_s, n_c, k, d = 1000, 25, 50, 3, 3
+    lo, hi = triage.resident_segment_bounds(n_a, n_s, n_c, k, d)
+    swap = triage.ChunkSwap(n_a, n_s, n_c, k, d)
+    a = torch.zeros(n_a)
+    a[250:300] = 1.0  # segments 10, 11: chunks 9, 10, 11 are the top 3 (10 has mean 1, 9 and 11 mean 0.5)
+    for _ in range(6):
+        swap.step(a)
+        assert swap.recalled.sum() == lo == 4
+    swap = triage.ChunkSwap(n_a, n_s, n_c, k, d)
+    counts = []
+    for step in range(8):
+        a = torch.zeros(n_a)
+        for i in range(k):  # chunk 4m = segments 4m, 4m + 1 (neighbours score 0.5); 9 consecutive m mod 10
+            m = (k * step + i) % 10  # never repeat within 3 steps
+            a[4 * m * n_s:(4 * m + 2) * n_s] = 1.0
+        assert swap.step(a)[0] == sorted(4 * ((k * step + i) % 10) for i in range(k))
+        counts.append(int(swap.recalled.sum()))
+    assert counts == [6, 12] + [hi] * 6 and hi == 18
+
+
+def test_expected_r_gpu_charges_only_what_tidal_heads_miss():
+    roles = np.array([[A, T], [F, F]], dtype=object)
+    ret = np.array([[1.0, 0.2], [0.0, 0.0]])
+    # anchor 1000 + tidal 40 segments x floor(0.2 * 25) = 200 + fixed 0, over 4 heads x 1000
+    assert triage.expected_r_gpu(ret, roles, 1000, 25) == pytest.approx(0.3)
+    # mobility 0.5: 11 of 40 segments recalled, each brings back the tidal head's 20 missing positions
+    frac = triage.expected_resident_segments(1000, 25, 50, 3, 3, 0.5) / 40
+    assert triage.expected_r_gpu(ret, roles, 1000, 25, frac) == pytest.approx((1200 + 11 * 20) / 4000)
+    # a fixed head's dropped positions are never recalled: charging them would be wrong
+    assert triage.expected_r_gpu(np.array([[1.0, 0.2], [0.2, 0.0]]), roles, 1000, 25, frac) == \
+        pytest.approx((1400 + 11 * 20) / 4000)
+    # a tidal head at retention 1 misses nothing
+    assert triage.expected_r_gpu(np.array([[1.0, 1.0], [0.0, 0.0]]), roles, 1000, 25, frac) == pytest.approx(0.5)
 
 
 # --- prefill selection ------------------------------------------------------------------------------
@@ -221,12 +290,46 @@ def test_wnw_meets_the_prefill_target_on_a_tiny_model():
     prompt = backbone.build_prompt(noise_audio(20.0))
     vs = np.random.RandomState(2).rand(backbone.n_layers, backbone.n_kv_heads)
     wnw = WnW(scores=scores_for(vs, np.ones_like(vs), name="tiny_test", n_q_heads=backbone.n_q_heads),
-              recall_fraction=0.0, backbone_info=backbone.describe())
+              recall_budget="none", backbone_info=backbone.describe())
     res = generate(backbone, prompt, wnw, retention=0.3, max_new_tokens=12)
-    assert abs(wnw.prefill_r_gpu - 0.3) <= 0.005
+    assert abs(wnw.prefill_r_gpu - 0.3) <= 0.005 and wnw.expected_r_gpu == wnw.prefill_r_gpu
     assert res.store_summary["r_gpu"] >= wnw.prefill_r_gpu - 1e-9
     assert res.store_summary["r_gpu_cpu"] > res.store_summary["r_gpu"]
-    assert wnw.knobs()["n_anchor"] == 1 and wnw.knobs()["recall_fraction_source"] == "config"
+    assert wnw.knobs()["n_anchor"] == 1 and wnw.knobs()["expected_resident_segments"] == 0
+
+
+def test_wnw_budgets_each_samples_expected_recall():
+    backbone = tiny_voxtral()
+    vs = np.random.RandomState(2).rand(backbone.n_layers, backbone.n_kv_heads)
+    scores = scores_for(vs, np.ones_like(vs), name="tiny_test", n_q_heads=backbone.n_q_heads)
+    wnw = WnW(scores=scores, mobility=0.5, backbone_info=backbone.describe())
+    knobs = {}
+    for seconds in (20.0, 60.0):
+        generate(backbone, backbone.build_prompt(noise_audio(seconds)), wnw, retention=0.3, max_new_tokens=4)
+        knobs[seconds] = k = wnw.knobs()
+        assert k["mobility"] == 0.5 and k["mobility_source"] == "config"
+        assert abs(k["expected_r_gpu"] - 0.3) <= 0.005 and k["prefill_r_gpu"] < k["expected_r_gpu"]
+        n_a = wnw.ctx.n_audio
+        assert k["expected_resident_segments"] == triage.expected_resident_segments(n_a, 25, 50, 3, 3, 0.5)
+    # the encoder pads to 30 s: 375 tokens = 15 segments, capped below R_max = 18: 4 + 0.5 (15 - 4) = 9.5;
+    # 60 s = 30 segments: 4 + 0.5 (18 - 4) = 11. The short clip recalls the larger share of its complement
+    # (9.5 / 15 against 11 / 30), so its prefill gets less
+    assert knobs[20.0]["expected_resident_segments"] == 9.5 and knobs[60.0]["expected_resident_segments"] == 11
+    assert knobs[20.0]["prefill_r_gpu"] < knobs[60.0]["prefill_r_gpu"]
+
+
+def test_mobility_comes_from_the_calibration_when_it_matches():
+    vs = np.array([[1.0, 0.2], [0.1, 0.5]])
+    measured = dict(value=0.2, signal="vs_hs", **triage.DEFAULT_SWAP)
+    assert WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured))._mobility() == (0.2, "calibration")
+    assert WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured), delta=2)._mobility() == \
+        (DEFAULT_MOBILITY, "default")
+    assert WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured), mobility=0.7)._mobility() == \
+        (0.7, "config")
+    with pytest.raises(ValueError, match="mobility"):
+        WnW(scores=scores_for(vs, np.ones((2, 2))), mobility=2)
+    with pytest.raises(ValueError, match="recall_budget"):
+        WnW(scores=scores_for(vs, np.ones((2, 2))), recall_budget="fraction")
 
 
 # --- the score file -----------------------------------------------------------------------------------

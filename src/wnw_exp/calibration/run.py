@@ -29,7 +29,8 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
               progress: bool = True, log: Path | None = None) -> tuple[HeadScores, list[dict]]:
     """Head scores of `backbone` over `dataset`, word spans from `aligner`. Returns the scores and one
     record per sample (tokens counted, seconds). The first `recall_samples` samples (None: all) are then decoded
-    with WnW to measure its recall (`measure_recall_fraction`); `max_new_tokens(duration_s)` caps them."""
+    with WnW to measure how fast its anchors' attention moves (`measure_swap_mobility`);
+    `max_new_tokens(duration_s)` caps them."""
     k = default_k_top(backbone.token_rate) if k_top in (None, "auto") else int(k_top)
     hits, sens, records, forced = [], [], [], []
     n_vs = n_hs = 0
@@ -76,35 +77,44 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
     if forced and max_new_tokens is not None:
-        scores.calibration["recall_fraction"] = measure_recall_fraction(backbone, forced, scores, max_new_tokens,
-                                                                        progress=progress)
+        scores.calibration["swap_mobility"] = measure_swap_mobility(backbone, forced, scores, max_new_tokens,
+                                                                    progress=progress)
     return scores, records
 
 
-def measure_recall_fraction(backbone, prompts: list, scores: HeadScores, max_new_tokens: Callable[[float], int],
-                            retention: float = 0.2, progress: bool = False) -> dict:
-    """How much of the tidal heads' CPU complement WnW's chunk swap keeps on the device, measured.
+def measure_swap_mobility(backbone, prompts: list, scores: HeadScores, max_new_tokens: Callable[[float], int],
+                          retention: float = 0.2, progress: bool = False) -> dict:
+    """The mobility constant of WnW's recall estimate (`triage.expected_resident_segments`), measured.
 
     The prompts (with their audio durations) are decoded greedily by the engine with WnW at `retention`
-    (default triage and chunk swap settings, lambda solved for the prefill footprint alone), and the
-    fraction of segments recalled after each step is averaged over steps, then samples. WnW's
-    `lam: auto` adds this expected recall to the prefill footprint, so that the measured r_GPU, not only
-    the prefill one, matches the target: §3.4 chooses lambda "so that the measured r_GPU matches each
-    target" on the calibration set. The fraction depends on the anchors' attention, hardly on lambda.
+    (default triage and chunk swap settings; lambda solved as a run solves it, with the default mobility
+    since `scores` has no measurement yet). For each sample the number of recalled segments, averaged over
+    decode steps, is mapped back to a mobility through the sample's own bounds (`triage.mobility_of`);
+    the value is the mean over samples. WnW's `lam: auto` then charges each sample the recall this
+    mobility predicts for its length, so that the measured r_GPU, not only the prefill one, matches the
+    target (§3.4 chooses lambda "so that the measured r_GPU matches each target" on the calibration set).
     """
     from wnw_exp.methods.wnw import WnW
 
-    policy = WnW(scores=scores, recall_fraction=0.0, backbone_info=backbone.describe())
-    per_sample, r_gpu = [], []
-    for prompt, duration in tqdm(prompts, desc="recall", disable=not progress, unit="sample"):
+    policy = WnW(scores=scores, mobility="auto", backbone_info=backbone.describe())
+    per_sample, resident, r_gpu, expected = [], [], [], []
+    for prompt, duration in tqdm(prompts, desc="swap mobility", disable=not progress, unit="sample"):
         res = generate(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens(duration))
-        fractions = res.trace["wnw"]["recalled_fraction"]
-        if fractions:
-            per_sample.append(float(np.mean(fractions)))
-            r_gpu.append(res.store_summary["r_gpu"])
-    value = float(np.mean(per_sample)) if per_sample else 0.0
-    return dict(value=value, n_samples=len(per_sample), retention=retention, n_anchor=policy.n_anchor,
-                measured_r_gpu_without=float(np.mean(r_gpu)) if r_gpu else None, signal="vs_hs",
+        counts = res.trace["wnw"]["resident_segments"]
+        if not counts:
+            continue
+        mu = triage.mobility_of(float(np.mean(counts)), prompt.n_audio, policy.n_s, policy.n_c, policy.top_k,
+                                policy.delta)
+        if mu is None:
+            continue
+        per_sample.append(mu)
+        resident.append(float(np.mean(counts)))
+        r_gpu.append(res.store_summary["r_gpu"])
+        expected.append(policy.expected_r_gpu)
+    mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731
+    return dict(value=mean(per_sample), n_samples=len(per_sample), per_sample=per_sample,
+                mean_resident_segments=resident, retention=retention, n_anchor=policy.n_anchor,
+                prior=policy.mobility, measured_r_gpu=mean(r_gpu), expected_r_gpu=mean(expected), signal="vs_hs",
                 **triage.DEFAULT_SWAP)
 
 

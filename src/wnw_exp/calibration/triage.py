@@ -9,10 +9,14 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
 - `normalised_scores`: s~_i = score_i / max(score over non-anchor heads), so the best non-anchor head
   has s~ = 1 and every s~ is in [0, 1] (anchors are pinned to 1; they keep everything anyway).
 - `retentions`: Eq. (1), retention_i = min(s~_i * lambda, 1); anchors 1.
-- `prefill_r_gpu` and `solve_lambda`: the on-device audio fraction right after prefill, counted exactly
-  as the per-segment selection keeps it (sum over segments of floor(retention * segment length); the
-  last segment may be shorter than n_s and is floored on its own length), and lambda found by bisection
-  so that fraction matches the target.
+- `prefill_r_gpu`: the on-device audio fraction right after prefill, counted exactly as the per-segment
+  selection keeps it (sum over segments of floor(retention * segment length); the last segment may be
+  shorter than n_s and is floored on its own length).
+- `resident_segment_bounds` / `expected_resident_segments`: how many segments the decode-time chunk swap
+  holds recalled at a step, from the swap's geometry (top-k chunks, delta, chunk overlap, segment count)
+  and one constant, the anchor attention's mobility; `expected_r_gpu` adds the tidal heads' recalled
+  positions to the prefill footprint, and `solve_lambda` finds lambda by bisection so that the sum
+  matches the target.
 - `select_positions`: per-segment top-floor(retention * n_s) (default) or one global top-k with the same
   total (ablation A2).
 - `segment_bounds` / `chunk_bounds`: the segment and chunk grid of §2.3.
@@ -144,52 +148,110 @@ def prefill_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int) ->
     return kept / (np.size(roles) * n_audio)
 
 
+def resident_segment_bounds(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int) -> tuple[int, int]:
+    """(fewest, most) segments the chunk swap can hold recalled at a decode step, in steady state.
+
+    A chunk spans w = ceil(n_c / n_s) consecutive segments (chunks start every n_s tokens, on segment
+    boundaries); a segment stays recalled while some chunk containing it was selected in one of the last
+    `delta` steps (it is released after `delta` consecutive unselected steps), so the recalled set is the
+    union of the last `delta` selections of k = min(top_k, number of chunks) chunks.
+    - fewest: attention that never moves and k adjacent chunks, whose union is k + w - 1 segments;
+    - most: every step selects k chunks that share no segment with each other or with the other selections
+      of the window, delta * k * w segments.
+    Both are capped at the number of segments; when every chunk is selected at every step (k = number of
+    chunks) every segment is recalled and the two coincide.
+    """
+    if n_audio <= 0:
+        return 0, 0
+    n_seg = math.ceil(n_audio / n_s)
+    n_chunks = len(chunk_bounds(n_audio, n_c, n_s))
+    k = min(top_k, n_chunks)
+    if k == n_chunks:
+        return n_seg, n_seg
+    w = max(1, math.ceil(n_c / n_s))
+    return min(n_seg, k + w - 1), min(n_seg, delta * k * w)
+
+
+def expected_resident_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, mobility: float) -> float:
+    """Expected number of recalled segments at a decode step: fewest + mobility * (most - fewest) of
+    `resident_segment_bounds`. `mobility` in [0, 1] says how fast the anchors' attention moves between
+    chunks: 0 = it stays on one run of adjacent chunks, 1 = every step brings k chunks disjoint from
+    everything selected in the delta-step window. The first delta - 1 steps, whose window is shorter, are
+    not modelled (a few steps out of the hundreds a long clip decodes)."""
+    if not 0 <= mobility <= 1:
+        raise ValueError(f"mobility={mobility} is outside [0, 1]")
+    lo, hi = resident_segment_bounds(n_audio, n_s, n_c, top_k, delta)
+    return lo + mobility * (hi - lo)
+
+
+def mobility_of(resident: float, n_audio: int, n_s: int, n_c: int, top_k: int, delta: int) -> float | None:
+    """The mobility that `expected_resident_segments` maps to a measured mean `resident` segment count
+    (clipped to [0, 1]); None when the bounds coincide (nothing to learn from this sample)."""
+    lo, hi = resident_segment_bounds(n_audio, n_s, n_c, top_k, delta)
+    if hi <= lo:
+        return None
+    return float(min(1.0, max(0.0, (resident - lo) / (hi - lo))))
+
+
 @dataclass
 class LambdaSolution:
     lam: float
-    r_gpu: float  # realised prefill r_GPU (plus the expected recall when asked for)
+    r_gpu: float  # realised prefill r_GPU plus the expected recall (when asked for)
     saturated: bool  # every non-anchor head at retention 1
 
 
-def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, recall_fraction: float = 0.0) -> float:
-    """Prefill r_GPU plus the expected recall: on average a fraction `recall_fraction` of each tidal head's
-    CPU complement is on the device during decoding (0: the prefill footprint alone)."""
+def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, resident_fraction: float = 0.0) -> float:
+    """Prefill r_GPU plus the expected decode-time recall (§3.4's r_GPU is the mean over decode steps).
+
+    `resident_fraction`: the expected share of the segments that are recalled at a step
+    (`expected_resident_segments` / number of segments). A recalled segment brings back, for every tidal
+    head, the positions of that segment its prefill selection did not keep; with every segment equally
+    likely to be recalled, a tidal head that misses m of the n_audio positions has resident_fraction * m
+    of them on the device on average (exact per segment for the per-segment selection, whose full
+    segments all miss the same count). 0: the prefill footprint alone.
+    """
     r = prefill_r_gpu(ret, roles, n_audio, n_s)
-    if recall_fraction and n_audio:
+    if resident_fraction and n_audio:
         missing = sum(n_audio - kept_per_head(float(x), n_audio, n_s)
                       for x, role in zip(np.ravel(ret), np.ravel(roles)) if role == TIDAL)
-        r += recall_fraction * missing / (np.size(roles) * n_audio)
+        r += resident_fraction * missing / (np.size(roles) * n_audio)
     return r
 
 
 def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, target: float,
-                 tolerance: float = 0.005, iterations: int = 100, recall_fraction: float = 0.0) -> LambdaSolution:
-    """lambda such that the realised prefill r_GPU (plus the expected recall, see `expected_r_gpu`) is as
-    close to `target` as the floors allow.
+                 tolerance: float = 0.005, iterations: int = 100, resident_fraction: float = 0.0) -> LambdaSolution:
+    """lambda such that the realised prefill r_GPU plus the expected recall (`expected_r_gpu` with
+    `resident_fraction`) is as close to `target` as the floors allow.
 
-    r(lambda) is a non-decreasing step function (for recall_fraction <= 1). Bisection brackets the first
-    step at or above the target; of that step and the one just below, the closer wins. Raises TriageError
-    when the anchors alone keep more than target + tolerance; warns when the steps are too coarse to come
-    within tolerance.
+    r(lambda) is a non-decreasing step function (for resident_fraction <= 1: a kept position counts 1, a
+    recallable one resident_fraction). Bisection brackets the first step at or above the target; of that
+    step and the one just below, the closer wins. Raises TriageError when the anchors alone keep more than
+    target + tolerance, and warns and returns lambda = 0 when the expected recall alone pushes r(0) above
+    it; warns when the steps are too coarse to come within tolerance.
     """
-    if not 0 <= recall_fraction <= 1:
-        raise ValueError(f"recall_fraction={recall_fraction} is outside [0, 1]")
+    if not 0 <= resident_fraction <= 1:
+        raise ValueError(f"resident_fraction={resident_fraction} is outside [0, 1]")
     others = roles != ANCHOR
     positive = s_tilde[others & (s_tilde > 0)]
     lam_max = 1.0 / positive.min() if positive.size else 1.0
 
     def r(lam: float) -> float:
-        return expected_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, recall_fraction)
+        return expected_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, resident_fraction)
 
     r_low, r_high = r(0.0), r(lam_max)
-    if r_low > target + tolerance:
+    anchors_alone = prefill_r_gpu(retentions(s_tilde, roles, 0.0), roles, n_audio, n_s)
+    if anchors_alone > target + tolerance:
         n_anchor = int((roles == ANCHOR).sum())
-        raise TriageError(f"the {n_anchor} anchor heads alone keep r_GPU = {r_low:.3f} on the device, above the "
-                          f"target {target}: lower n_anchor (or raise the retention target)")
+        raise TriageError(f"the {n_anchor} anchor heads alone keep r_GPU = {anchors_alone:.3f} on the device, above "
+                          f"the target {target}: lower n_anchor (or raise the retention target)")
     if r_high <= target:
         return LambdaSolution(lam_max, r_high, True)
     lo, hi = 0.0, lam_max  # r(lo) < target <= r(hi)
     if r_low >= target:
+        if r_low > target + tolerance:
+            warnings.warn(f"lambda: even lambda = 0 (non-anchor heads keep no audio at prefill) expects r_GPU = "
+                          f"{r_low:.4f} for target {target}: the tidal heads' expected recall ({n_audio} audio "
+                          "tokens) alone exceeds the rest of the budget; running at lambda = 0", stacklevel=2)
         return LambdaSolution(0.0, r_low, False)
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
@@ -200,7 +262,7 @@ def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int,
     r_lo, r_hi = r(lo), r(hi)
     lam, got = (lo, r_lo) if target - r_lo < r_hi - target else (hi, r_hi)
     if abs(got - target) > tolerance:
-        warnings.warn(f"lambda: the closest realisable prefill r_GPU is {got:.4f} for target {target} "
+        warnings.warn(f"lambda: the closest realisable (expected) r_GPU is {got:.4f} for target {target} "
                       f"({n_audio} audio tokens are too few for finer steps)", stacklevel=2)
     return LambdaSolution(lam, got, bool(np.all(retentions(s_tilde, roles, lam)[others] >= 1.0)))
 

@@ -3,10 +3,33 @@
 Triage (once per retention target, from `method.head_scores`): heads ranked by VS x HS (or VS, HS:
 `signal`, ablation A3); the top `n_voice` are voice heads, the top `n_anchor` of those anchors, the
 other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
-their audio, s~ = score / max score over non-anchor heads. With `lam: auto` lambda is solved per
-sample by bisection so that the prefill r_GPU (per-segment floors included) plus the expected recall
-(`recall_fraction` of the tidal heads' CPU complement, measured by wnw-calibrate; 0 = prefill only) is
-within `lambda_tolerance` of the target: §3.4 picks lambda so that the measured r_GPU matches it.
+their audio, s~ = score / max score over non-anchor heads.
+
+lambda (`lam: auto`) is solved per sample, by bisection, so that the expected r_GPU of §3.4 (the on-device
+audio share averaged over decode steps) is within `lambda_tolerance` of the target:
+    expected r_GPU = prefill r_GPU (per-segment floors included)
+                   + (R / n_seg) * sum over tidal heads of the positions their prefill selection misses,
+divided by L * H_kv * n_audio. R is the expected number of segments the chunk swap holds recalled at a step
+(`recall_budget: expected`; `none` targets the prefill footprint alone, as §2.2 literally states). R
+follows from the swap's geometry and one constant (`triage.expected_resident_segments`): the recalled
+set is the union of the last `delta` selections of top_k chunks of w = ceil(n_c / n_s) segments each, so
+it holds between R_min = top_k + w - 1 segments (attention that stays on one run of adjacent chunks) and
+R_max = delta * top_k * w (every step k new, disjoint chunks), both capped at the n_seg segments of the
+sample, and equal to n_seg when top_k covers every chunk; R = R_min + mobility * (R_max - R_min). With
+the paper's settings (n_c = 2 n_s, top_k = delta = 3) R_min = 4 and R_max = 18 segments: the recalled
+count does not grow with the clip's length, so short and long clips get different recall shares, and
+each tidal head is charged only for the positions it misses, so the charge shrinks as lambda grows. The
+mobility (`method.mobility`, in [0, 1]) is how fast the anchors' attention moves between chunks; `auto`
+takes the value wnw-calibrate measured on its calibration samples for the same swap settings
+(`calibration.run.measure_swap_mobility`: the mean recalled count over decode steps mapped back through
+the same formula), else `DEFAULT_MOBILITY` = 0.3 (the trained tiny model measures 0.30 on its calibration
+clips; the random-weight tiny_random, whose attention wanders, 0.51). Not modelled: the first delta - 1
+steps (shorter window), where on the clip the recalled segments lie (every segment is taken as equally
+likely), and how a given sample's attention moves: the mobility is a per-model mean, and single samples
+scatter around it (six synthetic test clips: tiny_random 0.24-0.72, the trained tiny model 0.26-0.32), so a
+run's r_GPU meets the target on average over samples, not each sample's. When even lambda = 0 expects
+more than the target (the recall of a short clip on a model with few heads), the solver warns and runs
+at lambda = 0.
 
 Prefill (`place`): every non-anchor KV head ranks audio positions by the text-to-audio attention
 summed over the prompt tokens after the audio and over its GQA group's query heads, and keeps the top
@@ -40,6 +63,9 @@ from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
+RECALL_BUDGETS = ("expected", "none")
+DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it per model
+
 
 @register
 class WnW(Policy):
@@ -48,7 +74,7 @@ class WnW(Policy):
     def __init__(self, head_scores: str | None = None, n_voice: int | str = "auto", n_anchor: int | str = "auto",
                  lam: float | str = "auto", lambda_tolerance: float = 0.005, signal: str = "vs_hs",
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
-                 top_k: int = 3, delta: int = 3, recall_fraction: float | str = "auto",
+                 top_k: int = 3, delta: int = 3, recall_budget: str = "expected", mobility: float | str = "auto",
                  backbone_info: dict | None = None, scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
         self.scores = scores if scores is not None else resolve_head_scores(head_scores, backbone_info or {})
@@ -64,7 +90,11 @@ class WnW(Policy):
         self.tolerance, self.signal, self.selection = float(lambda_tolerance), signal, selection
         self.chunk_seconds, self.stride_seconds = float(chunk_seconds), float(stride_seconds)
         self.top_k, self.delta = int(top_k), int(delta)
-        self.recall_fraction_cfg = recall_fraction
+        if recall_budget not in RECALL_BUDGETS:
+            raise ValueError(f"method.recall_budget={recall_budget!r}: choose one of {', '.join(RECALL_BUDGETS)}")
+        if mobility not in (None, "auto") and not 0 <= float(mobility) <= 1:
+            raise ValueError(f"method.mobility={mobility} must be auto or a number in [0, 1]")
+        self.recall_budget, self.mobility_cfg = recall_budget, mobility
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         self._triage_cache: dict[float, tuple] = {}
@@ -109,15 +139,23 @@ class WnW(Policy):
         # Rows a tidal head may hold beyond its prefill selection: the chunks of the last delta+1 steps.
         self.recall_headroom = min(ctx.n_audio, (self.delta + 1) * self.top_k * self.n_c)
         n_a = ctx.n_audio
-        self.recall_fraction, self.recall_fraction_source = self._recall_fraction()
+        self.mobility, self.mobility_source = self._mobility()
+        if self.recall_budget == "expected":
+            self.expected_resident = triage.expected_resident_segments(n_a, self.n_s, self.n_c, self.top_k,
+                                                                       self.delta, self.mobility)
+        else:
+            self.expected_resident = 0.0
+        n_seg = math.ceil(n_a / self.n_s) if n_a else 1
+        resident_fraction = self.expected_resident / n_seg
         if self.lam_cfg in (None, "auto"):
             sol = triage.solve_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention, self.tolerance,
-                                      recall_fraction=self.recall_fraction)
+                                      resident_fraction=resident_fraction)
             self.lam = sol.lam
         else:
             self.lam = float(self.lam_cfg)
         self.retention = triage.retentions(s_tilde, self.roles, self.lam)
         self.prefill_r_gpu = triage.prefill_r_gpu(self.retention, self.roles, n_a, self.n_s)
+        self.expected_r_gpu = triage.expected_r_gpu(self.retention, self.roles, n_a, self.n_s, resident_fraction)
         g = ctx.group
         self.anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(self.roles[li] == triage.ANCHOR) for j in range(g)]
                          for li in range(ctx.n_layers)}
@@ -126,25 +164,26 @@ class WnW(Policy):
         self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta)
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self.offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
-        self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[])
+        self._host_index: tuple[np.ndarray, np.ndarray] | None = None  # built at the first chunk swap
+        self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
+                           resident_segments=[])
 
-    def _recall_fraction(self) -> tuple[float, str]:
-        """Expected fraction of a tidal head's CPU complement on the device during decode (for lam=auto).
+    def _mobility(self) -> tuple[float, str]:
+        """The anchor attention's mobility between chunks (see the module docstring) and where it came from.
 
-        auto: the value wnw-calibrate measured by decoding calibration samples with WnW under the same triage
-        signal and chunk swap settings (`calibration.run.measure_recall_fraction`); 0 (the prefill
-        footprint alone) when the file has none that fits. A number overrides it; 0 targets the prefill
-        r_GPU as §2.2 literally states.
+        A number in the config wins; auto takes the head-score file's measurement
+        (`calibration.swap_mobility`, made by wnw-calibrate) when it was made with the same triage signal and
+        chunk swap settings, else DEFAULT_MOBILITY.
         """
-        if self.recall_fraction_cfg not in (None, "auto"):
-            return float(self.recall_fraction_cfg), "config"
-        measured = self.scores.calibration.get("recall_fraction") or {}
+        if self.mobility_cfg not in (None, "auto"):
+            return float(self.mobility_cfg), "config"
+        measured = self.scores.calibration.get("swap_mobility") or {}
         same = (measured.get("signal") == self.signal and measured.get("top_k") == self.top_k
                 and measured.get("delta") == self.delta
                 and math.isclose(measured.get("chunk_seconds", -1), self.chunk_seconds)
                 and math.isclose(measured.get("stride_seconds", -1), self.stride_seconds))
         value = measured.get("value") if same else None
-        return (float(value), "calibration") if value is not None else (0.0, "none (prefill target)")
+        return (float(value), "calibration") if value is not None else (DEFAULT_MOBILITY, "default")
 
     def observe_heads(self, layer: int) -> list[int]:
         return self.anchor_q.get(layer, [])
@@ -181,21 +220,27 @@ class WnW(Policy):
         self._trace["recalled_segments"].append(recall)
         self._trace["released_segments"].append(release)
         self._trace["recalled_fraction"].append(self.swap.recalled_fraction)
+        self._trace["resident_segments"].append(int(self.swap.recalled.sum()))
 
     def _move(self, seg: int, recall: bool) -> None:
-        start, end = self.swap.segments[seg]
-        for li, k in self.tidal:
-            cpu = self.offloaded.get((li, k))
-            if cpu is None or len(cpu) == 0:
-                continue
-            lo, hi = torch.searchsorted(cpu, torch.tensor([start, end])).tolist()
-            if hi > lo:
-                (self.store.recall if recall else self.store.release)(li, k, cpu[lo:hi])
+        """Recall or release segment `seg`'s host-tier positions on every tidal head, in one store call."""
+        if self._host_index is None:  # (rows, positions) of every tidal head's host tier, by position
+            H = self.ctx.n_kv_heads
+            rows = [np.full(len(c), li * H + k) for (li, k), c in self.offloaded.items()]
+            pos = [c.numpy() for c in self.offloaded.values()]
+            rows, pos = (np.concatenate(rows), np.concatenate(pos)) if rows else (np.zeros(0, int), np.zeros(0, int))
+            order = np.argsort(pos, kind="stable")
+            self._host_index = rows[order], pos[order]
+        rows, pos = self._host_index
+        lo, hi = np.searchsorted(pos, self.swap.segments[seg])
+        if hi > lo:
+            (self.store.recall_rows if recall else self.store.release_rows)(rows[lo:hi], pos[lo:hi])
 
     # --- records ------------------------------------------------------------------------------------
     def knobs(self) -> dict:
-        return dict(lam=self.lam, prefill_r_gpu=self.prefill_r_gpu, recall_fraction=self.recall_fraction,
-                    recall_fraction_source=self.recall_fraction_source, n_voice=self.n_voice, n_anchor=self.n_anchor,
+        return dict(lam=self.lam, prefill_r_gpu=self.prefill_r_gpu, expected_r_gpu=self.expected_r_gpu,
+                    recall_budget=self.recall_budget, expected_resident_segments=self.expected_resident,
+                    mobility=self.mobility, mobility_source=self.mobility_source, n_voice=self.n_voice, n_anchor=self.n_anchor,
                     n_tidal=len(self.tidal), signal=self.signal, selection=self.selection, n_s=self.n_s,
                     n_c=self.n_c, top_k=self.top_k, delta=self.delta, head_scores=self.scores.path)
 

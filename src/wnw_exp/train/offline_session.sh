@@ -6,7 +6,8 @@
 # Run from the repository root. WHEELS: a folder of wheels for that machine's Python (the packages the
 # training needs beyond torch/transformers/tokenizers/numpy: espeakng-loader, soxr, soundfile, cffi,
 # pycparser, jiwer, rapidfuzz, and wordfreq with ftfy, wcwidth, langcodes, locate), installed into
-# /tmp/site; a folder WHEELS/stub is put on the path too, if present. The run directory is
+# /tmp/site; a folder WHEELS/stub is put on the path too, if present. TRAIN_ARGS: more arguments of
+# `wnw-train-tiny train` (e.g. `--init-from src/wnw_exp/backbones/tiny_model --init-heads heads.pt`). The run directory is
 # RUN_DIR (default /tmp/train-tiny); when it holds no checkpoint, it is restored from the
 # `ckpt.part*` pieces in CKPT_IN. At the end the run directory (state.pt and logs) is written to
 # CKPT_OUT as 15 MB pieces `ckpt.part*` (join them with `cat ckpt.part* | tar x -C RUN_DIR`).
@@ -22,7 +23,7 @@ if [ ! -f "$RUN/state.pt" ] && [ -n "${CKPT_IN:-}" ] && ls "$CKPT_IN"/ckpt.part*
   mkdir -p "$RUN" && cat "$CKPT_IN"/ckpt.part* | tar x -C "$RUN" && echo "restored $RUN from $CKPT_IN"
 fi
 python3 -m wnw_exp.train.tiny train --run-dir "$RUN" --minutes "$1" --total-steps "$2" \
-  --workers "$(( $(nproc) - 2 ))" --eval-clips "${3:-4}" 2>&1 | tee "${CKPT_OUT:-$RUN}/train_stdout.txt"
+  --workers "${WORKERS:-$(( $(nproc) - 2 ))}" --eval-clips "${3:-4}" ${TRAIN_ARGS:-} 2>&1 | tee "${CKPT_OUT:-$RUN}/train_stdout.txt"
 if [ -n "${CKPT_OUT:-}" ]; then
   (cd "$RUN" && tar cf - state.pt train_log.jsonl $(ls eval_log.jsonl 2>/dev/null)) | split -b 15M - "$CKPT_OUT/ckpt.part"
 fi

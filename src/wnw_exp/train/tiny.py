@@ -121,7 +121,12 @@ def train(args: argparse.Namespace) -> None:
         record = json.loads((folder / "training_meta.json").read_text())
         saved = VoxtralForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
         model.load_state_dict(saved.state_dict())
+        if args.init_heads:  # the frame heads of the same checkpoint (`torch.save(state["heads"], ...)`)
+            heads.load_state_dict(torch.load(args.init_heads, map_location="cpu", weights_only=True))
         meta = {k: v for k, v in record.items() if k != "created_with"} | {"args": record.get("created_with", vars(args))}
+        for name in ("train_log.jsonl", "eval_log.jsonl"):  # carry the history on, so an export has all of it
+            if (folder / name).exists() and not (run / name).exists():
+                shutil.copyfile(folder / name, run / name)
     if meta["vocab_size"] != args.vocab_size or meta["arch"] != asdict(arch):
         raise SystemExit(f"the checkpoint in {run} / {args.init_from} has another vocabulary or architecture")
     model.to(device).train()
@@ -397,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     t.add_argument("--init-from", default="", help="start from an exported model folder when run-dir has no checkpoint")
+    t.add_argument("--init-heads", default="", help="with --init-from: a .pt of the frame heads' state dict")
     t.add_argument("--batch-windows", type=int, default=0, help="30 s windows per batch (0: the curriculum's)")
     t.add_argument("--arch", default="", help="JSON overrides of TinyArch (for smoke tests)")
     t.add_argument("--log-every", type=int, default=25)

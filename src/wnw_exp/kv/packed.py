@@ -57,8 +57,11 @@ class PackedAudioKVStore(StepAccounting):
         self.layer_audio = [n_audio] * L
         self.steps: list[StepRecord] = []
         self._h2d_this_step = 0
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # recalls: (rows, pos, slots)
-        self._releases: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, pos)
+        # Queued moves, flat: one entry per (row, position). Recalls: (rows, pos, slots); releases: (rows, pos).
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._releases: list[tuple[np.ndarray, np.ndarray]] = []
+        self._queued_mask = np.zeros((L * H, n_audio), bool)  # recall queued, not yet applied
+        self._release_mask = np.zeros((L * H, n_audio), bool)  # release queued, not yet applied
         self._n_issued = 0
         self._events: list = []
         self._compacted = None
@@ -134,44 +137,62 @@ class PackedAudioKVStore(StepAccounting):
     # --- moving between tiers -----------------------------------------------------------------
     def recall(self, layer: int, head: int, positions) -> int:
         """Queue host-resident positions for copying back (skips resident and already queued ones)."""
-        r = layer * self.n_kv_heads + head
-        pos = np.unique(np.asarray(positions.detach().cpu() if torch.is_tensor(positions) else positions, np.int64))
-        pos = pos[~self.resident[r, pos] & ~self._queued(r, pos)]
-        if len(pos):
-            self.recall_batch(np.array([r]), pos[None])
-        return len(pos)
+        pos = np.unique(_np(positions))
+        return self.recall_rows(np.full(len(pos), layer * self.n_kv_heads + head), pos)
 
-    def _queued(self, r: int, pos: np.ndarray) -> np.ndarray:
-        q = np.zeros(len(pos), bool)
-        for rows, p, _ in self._pending:
-            for i in np.nonzero(rows == r)[0]:
-                q |= np.isin(pos, p[i])
-        return q
+    def recall_rows(self, rows: np.ndarray, pos: np.ndarray) -> int:
+        """`recall` for many heads at once: flat arrays, row = layer * H_kv + head, one entry per position
+        (distinct pairs). Resident and already queued pairs are skipped; returns how many were queued."""
+        rows, pos = np.asarray(rows, np.int64), np.asarray(pos, np.int64)
+        new = ~self.resident[rows, pos] & ~self._queued_mask[rows, pos]
+        rows, pos = rows[new], pos[new]
+        if len(pos):
+            self._queue_recall(rows, pos)
+        return len(pos)
 
     def recall_batch(self, rows: np.ndarray, pos: np.ndarray) -> None:
         """Queue recalls for many heads at once: rows (n,) distinct, = layer*H_kv + head; pos (n, c) not
         resident and not queued (the per-head `recall` checks that; this fast path trusts the caller)."""
-        if not self.on_host[rows[:, None], pos].all():
+        self._queue_recall(np.repeat(rows, pos.shape[1]), pos.ravel())
+
+    def _queue_recall(self, rows: np.ndarray, pos: np.ndarray) -> None:
+        if not self.on_host[rows, pos].all():
             raise ValueError("recall: positions have no host copy (they were dropped)")
-        queued = self._queued_n[rows]
-        if (self.n_rows[rows] + queued + pos.shape[1] > self.caps[rows]).any():
+        counts = np.bincount(rows, minlength=len(self.caps))
+        if (self.n_rows + self._queued_n + counts > self.caps).any():
             raise RuntimeError("recall: a head's region is full: compact() with more headroom")
-        slots = self.n_rows[rows, None] + queued[:, None] + np.arange(pos.shape[1])
-        np.add.at(self._queued_n, rows, pos.shape[1])
+        order = np.argsort(rows, kind="stable")  # rank of each entry among its row's entries
+        rank = np.empty(len(rows), np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)])[rows[order]]
+        rank[order] = np.arange(len(rows)) - starts
+        slots = self.n_rows[rows] + self._queued_n[rows] + rank
+        self._queued_n += counts
+        self._queued_mask[rows, pos] = True
         self._pending.append((rows, pos, slots))
 
     def release(self, layer: int, head: int, positions) -> int:
+        pos = np.unique(_np(positions))
         r = layer * self.n_kv_heads + head
-        pos = np.unique(np.asarray(positions.detach().cpu() if torch.is_tensor(positions) else positions, np.int64))
         if not self.on_host[r, pos].all():
             raise ValueError("release: a position without a host copy would be lost; drop it explicitly instead")
-        pos = pos[self.resident[r, pos]]
-        if len(pos):
-            self.release_batch(np.array([r]), pos[None])
-        return len(pos)
+        return self.release_rows(np.full(len(pos), r), pos)
+
+    def release_rows(self, rows: np.ndarray, pos: np.ndarray) -> int:
+        """`release` for many heads at once (flat, distinct pairs with host copies); non-resident and already
+        queued pairs are skipped. Returns how many were queued."""
+        rows, pos = np.asarray(rows, np.int64), np.asarray(pos, np.int64)
+        if not self.on_host[rows, pos].all():
+            raise ValueError("release: a position without a host copy would be lost; drop it explicitly instead")
+        keep = self.resident[rows, pos] & ~self._release_mask[rows, pos]
+        if keep.any():
+            self.release_batch(rows[keep], pos[keep])
+        return int(keep.sum())
 
     def release_batch(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        """Queue releases: rows (n,) distinct heads, pos (n, c) resident positions with host copies."""
+        """Queue releases of resident positions with host copies: flat rows/pos, or rows (n,) with pos (n, c)."""
+        if pos.ndim == 2:
+            rows, pos = np.repeat(rows, pos.shape[1]), pos.ravel()
+        self._release_mask[rows, pos] = True
         self._releases.append((rows, pos))
 
     def issue(self) -> None:
@@ -180,9 +201,9 @@ class PackedAudioKVStore(StepAccounting):
         if not todo:
             return
         D = self.head_dim
-        rows = np.concatenate([np.repeat(r, p.shape[1]) for r, p, _ in todo])
-        pos = np.concatenate([p.ravel() for _, p, _ in todo])
-        dst = np.concatenate([(self.base[r][:, None] + sl).ravel() for r, _, sl in todo])
+        rows = np.concatenate([r for r, _, _ in todo])
+        pos = np.concatenate([p for _, p, _ in todo])
+        dst = np.concatenate([self.base[r] + sl for r, _, sl in todo])
         n = len(pos)
         pin = self.device.type == "cuda"
         # Double-buffered pinned staging: the host waits only for the copy that used this buffer before.
@@ -228,35 +249,39 @@ class PackedAudioKVStore(StepAccounting):
             if done is not None:
                 torch.cuda.current_stream(self.device).wait_event(done)
         for rows, pos, slots in self._pending:
-            ri = np.repeat(rows, pos.shape[1])
-            self.row_pos[ri, slots.ravel()] = pos.ravel()
-            self.slot_of[ri, pos.ravel()] = slots.ravel()
-            self.resident[ri, pos.ravel()] = True
-            np.add.at(self.n_rows, rows, pos.shape[1])
+            self.row_pos[rows, slots] = pos
+            self.slot_of[rows, pos] = slots
+            self.resident[rows, pos] = True
+            self._queued_mask[rows, pos] = False
+            self.n_rows += np.bincount(rows, minlength=len(self.n_rows))
         self._pending, self._n_issued, self._events = [], 0, []
         self._queued_n[:] = 0
         src, dst = [], []
-        for rows, pos in self._releases:  # swap-remove: the last kept rows move into the holes
-            n, c = pos.shape
-            new_n = self.n_rows[rows] - c
-            holes = self.slot_of[rows[:, None], pos]  # (n, c)
-            is_hole = np.zeros((n, self.n_audio + 1), bool)
-            np.put_along_axis(is_hole, holes, True, axis=1)
-            tail = new_n[:, None] + np.arange(c)  # (n, c): the slots that fall off the end
-            mover = ~np.take_along_axis(is_hole, tail, axis=1)
-            fill = is_hole[:, :-1] & (np.arange(self.n_audio)[None] < new_n[:, None])
-            mr, mc = np.nonzero(mover)  # row-major order: pairs line up head by head
-            fr, fc = np.nonzero(fill)
-            s_slot, d_slot = tail[mr, mc], fc
-            r_m = rows[mr]
-            moved_pos = self.row_pos[r_m, s_slot]
-            self.row_pos[r_m, d_slot] = moved_pos
-            self.slot_of[r_m, moved_pos] = d_slot
-            self.resident[np.repeat(rows, c), pos.ravel()] = False
-            self.n_rows[rows] = new_n
-            src.append(self.base[r_m] + s_slot)
-            dst.append(self.base[r_m] + d_slot)
-        self._releases = []
+        if self._releases:  # swap-remove: the last kept rows of each head move into its holes
+            rows = np.concatenate([r for r, _ in self._releases])
+            pos = np.concatenate([p for _, p in self._releases])
+            self._releases = []
+            self._release_mask[rows, pos] = False
+            width = self.n_audio + 1
+            new_n = self.n_rows - np.bincount(rows, minlength=len(self.n_rows))
+            holes = self.slot_of[rows, pos]
+            fill = holes < new_n[rows]  # holes inside the kept range need a row moved in
+            # The slots that fall off each head's end: [new_n, n_rows); those that are not holes move.
+            cnt = self.n_rows - new_n
+            t_rows = np.repeat(np.arange(len(cnt)), cnt)
+            t_slot = new_n[t_rows] + np.arange(len(t_rows)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+            mover = ~np.isin(t_rows * width + t_slot, rows * width + holes)
+            f_rows, f_slot = rows[fill], holes[fill]
+            o = np.lexsort((f_slot, f_rows))  # both sides in (row, slot) order: pairs line up head by head
+            f_rows, f_slot = f_rows[o], f_slot[o]
+            m_rows, m_slot = t_rows[mover], t_slot[mover]  # already in (row, slot) order
+            moved_pos = self.row_pos[m_rows, m_slot]
+            self.resident[rows, pos] = False
+            self.row_pos[f_rows, f_slot] = moved_pos
+            self.slot_of[f_rows, moved_pos] = f_slot
+            self.n_rows = new_n
+            src.append(self.base[m_rows] + m_slot)
+            dst.append(self.base[f_rows] + f_slot)
         if src and sum(len(x) for x in src):
             s = torch.from_numpy(np.concatenate(src)).to(self.device, non_blocking=True)
             d = torch.from_numpy(np.concatenate(dst)).to(self.device, non_blocking=True)
@@ -322,7 +347,7 @@ class PackedAudioKVStore(StepAccounting):
 
     def n_gpu(self) -> int:
         # Queued moves count as done, as in the reference store, where recall/release act at once.
-        return int(self.n_rows.sum() + self._queued_n.sum() - sum(p.size for _, p in self._releases))
+        return int(self.n_rows.sum() + self._queued_n.sum() - sum(len(p) for _, p in self._releases))
 
     def n_gpu_cpu(self) -> int:
         # Recall and release move only positions with a host copy, so the union changes only in set_tiers.
@@ -332,6 +357,10 @@ class PackedAudioKVStore(StepAccounting):
 
     def audio_bytes_on_device(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
+
+
+def _np(positions) -> np.ndarray:
+    return np.asarray(positions.detach().cpu() if torch.is_tensor(positions) else positions, np.int64).ravel()
 
 
 class _null:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -37,6 +38,22 @@ class StepAccounting:
     A store provides `n_full`, `n_gpu()`, `n_gpu_cpu()`, `audio_bytes_on_device()`, a `steps` list
     and the `_h2d_this_step` byte counter its recalls add to.
     """
+
+    def recall_rows(self, rows, pos) -> int:
+        """`recall` for many heads at once: flat arrays, row = layer * n_kv_heads + head, one entry per
+        position. This default calls `recall` head by head; the packed store does it in one vectorised call."""
+        return self._per_head(self.recall, rows, pos)
+
+    def release_rows(self, rows, pos) -> int:
+        """`release` for many heads at once (see `recall_rows`)."""
+        return self._per_head(self.release, rows, pos)
+
+    def _per_head(self, fn, rows, pos) -> int:
+        rows, pos = np.asarray(rows, np.int64), np.asarray(pos, np.int64)
+        n = 0
+        for r in np.unique(rows):
+            n += fn(int(r) // self.n_kv_heads, int(r) % self.n_kv_heads, torch.from_numpy(np.sort(pos[rows == r])))
+        return n
 
     def end_step(self) -> StepRecord:
         rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)

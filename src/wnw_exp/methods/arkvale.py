@@ -125,7 +125,13 @@ class ArkVale(Policy):
         if layer not in self.resident:
             return
         hi, lo = self.digests[layer]
-        scores = page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo).cpu()
+        self.select_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo).cpu())
+
+    def select_pages(self, layer: int, scores: torch.Tensor) -> None:
+        """Step 5's page swap of `layer` from its (H_kv, n_pages) page scores, on the host. (The GPU decode
+        benchmark computes the scores inside its CUDA graph and calls this once per layer after the step.)"""
+        if layer not in self.resident:
+            return
         for head in range(self.ctx.n_kv_heads):
             p_head = self.budget[layer][head]
             if p_head == 0:

@@ -53,11 +53,10 @@ def _rope_append_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, dlen_ptr, q_out_ptr,
     cols = tl.arange(0, D)
     x = tl.load(qkv_ptr + i * D + cols)
     n = tl.load(dlen_ptr).to(tl.int64)
-    half: tl.constexpr = D // 2
     if i < HQ + HKV:
-        rot_cols = tl.where(cols < half, cols + half, cols - half)
-        xr = tl.load(qkv_ptr + i * D + rot_cols)
-        xr = tl.where(cols < half, -xr, xr)  # rotate_half
+        first = cols < D // 2
+        xr = tl.load(qkv_ptr + i * D + tl.where(first, cols + D // 2, cols - D // 2))
+        xr = tl.where(first, -xr, xr)  # rotate_half
         pos = tl.load(pos_ptr).to(tl.int64)
         c = tl.load(cos_ptr + pos * D + cols).to(tl.float32)
         s = tl.load(sin_ptr + pos * D + cols).to(tl.float32)

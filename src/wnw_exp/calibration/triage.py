@@ -16,7 +16,8 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
   holds recalled at a step, from the swap's geometry (top-k chunks, delta, chunk overlap, segment count)
   and one constant, the anchor attention's mobility; `expected_r_gpu` adds the tidal heads' recalled
   positions to the prefill footprint, and `solve_lambda` finds lambda by bisection so that the sum
-  matches the target.
+  matches the target. `peak_recalled_segments`: the most a head can hold at once on a store with lazy
+  releases (sizes the packed store's recall room).
 - `select_positions`: per-segment top-floor(retention * n_s) (default) or one global top-k with the same
   total (ablation A2).
 - `segment_bounds` / `chunk_bounds`: the segment and chunk grid of §2.3.
@@ -170,6 +171,26 @@ def resident_segment_bounds(n_audio: int, n_s: int, n_c: int, top_k: int, delta:
         return n_seg, n_seg
     w = max(1, math.ceil(n_c / n_s))
     return min(n_seg, k + w - 1), min(n_seg, delta * k * w)
+
+
+def peak_recalled_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int) -> int:
+    """The most segments a tidal head can hold recalled at once on a store that applies releases lazily.
+
+    After the decision of step s the recalled set is the union of the last `delta` selections (at most
+    `resident_segment_bounds`' delta * k * w segments); but a store that queues releases until its next flush
+    (PackedAudioKVStore) still holds the segments released by that decision while the ones it recalls are
+    queued, i.e. the union of the selections of steps s - delta .. s: at most (delta + 1) * k * w segments,
+    capped at the number of segments (all of them when every chunk is selected at every step).
+    """
+    if n_audio <= 0:
+        return 0
+    n_seg = math.ceil(n_audio / n_s)
+    n_chunks = len(chunk_bounds(n_audio, n_c, n_s))
+    k = min(top_k, n_chunks)
+    if k == n_chunks:
+        return n_seg
+    w = max(1, math.ceil(n_c / n_s))
+    return min(n_seg, (delta + 1) * k * w)
 
 
 def expected_resident_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, mobility: float) -> float:
@@ -328,19 +349,25 @@ class ChunkSwap:
         self.top_k, self.delta = top_k, delta
         self.recalled = np.zeros(len(self.segments), dtype=bool)
         self.unselected = np.zeros(len(self.segments), dtype=np.int64)
-        if self.chunks:
-            self._starts = torch.tensor([s for s, _ in self.chunks])
-            self._ends = torch.tensor([e for _, e in self.chunks])
+        self._starts = np.array([s for s, _ in self.chunks], np.int64)
+        self._ends = np.array([e for _, e in self.chunks], np.int64)
+        self._c = np.zeros(n_audio + 1)  # the prefix sums of A (float64), reused every step
+        self._chunk_segments = [np.asarray(c, np.int64) for c in self.chunk_segments]
 
-    def select(self, a: torch.Tensor) -> list[int]:
-        c = torch.cat([a.new_zeros(1, dtype=torch.float64), torch.cumsum(a.double(), 0)])
-        starts, ends = self._starts.to(a.device), self._ends.to(a.device)
-        mean = (c[ends] - c[starts]) / (ends - starts)
+    def select(self, a: torch.Tensor | np.ndarray) -> list[int]:
+        """Top-k chunks by the mean of A over each chunk (float64 prefix sums); ties: the earlier chunk. On the
+        host in numpy (a device tensor is copied over once): the same float64 sums, in the same order, as a
+        torch cumsum, so the same chunks."""
+        a = a.detach().cpu().numpy() if torch.is_tensor(a) else np.asarray(a)
+        c = self._c
+        np.cumsum(a, dtype=np.float64, out=c[1:])
+        mean = (c[self._ends] - c[self._starts]) / (self._ends - self._starts)
         k = min(self.top_k, len(self.chunks))
-        return sorted(torch.sort(mean, descending=True, stable=True).indices[:k].tolist())
+        return sorted(np.argsort(-mean, kind="stable")[:k].tolist())
 
     def update(self, selected_chunks: list[int]) -> tuple[list[int], list[int]]:
-        wanted = sorted({s for c in selected_chunks for s in self.chunk_segments[c]})
+        wanted = np.unique(np.concatenate([self._chunk_segments[c] for c in selected_chunks])).tolist() \
+            if selected_chunks else []
         recall = [s for s in wanted if not self.recalled[s]]
         self.recalled[wanted] = True
         self.unselected[wanted] = 0
@@ -361,4 +388,4 @@ class ChunkSwap:
     @property
     def recalled_fraction(self) -> float:
         """Fraction of the audio's segments currently recalled."""
-        return float(self.recalled.mean()) if len(self.recalled) else 0.0
+        return int(np.count_nonzero(self.recalled)) / len(self.recalled) if len(self.recalled) else 0.0

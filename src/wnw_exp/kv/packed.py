@@ -62,6 +62,7 @@ class PackedAudioKVStore(StepAccounting):
         self._releases: list[tuple[np.ndarray, np.ndarray]] = []
         self._queued_mask = np.zeros((L * H, n_audio), bool)  # recall queued, not yet applied
         self._release_mask = np.zeros((L * H, n_audio), bool)  # release queued, not yet applied
+        self._scratch_mask = np.zeros((L * H, n_audio), bool)  # all False between uses (flush)
         self._n_issued = 0
         self._events: list = []
         self._compacted = None
@@ -119,8 +120,13 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_len[layer, head] = len(gpu)
         self._union = None
 
-    def compact(self, headroom: int = 0) -> None:
-        """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory)."""
+    def compact(self, headroom: int | np.ndarray = 0) -> None:
+        """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory).
+        `headroom`: one count for every head, or one per row (L * H_kv,) = layer * H_kv + head (WnW sizes each
+        tidal head's room by what its recalls can hold at once). A recall past a head's room raises."""
+        headroom = np.asarray(headroom, np.int64)
+        if headroom.ndim and headroom.shape != self.n_rows.shape:
+            raise ValueError(f"compact: headroom has shape {headroom.shape}, expected () or {self.n_rows.shape}")
         recallable = self.on_host.any(axis=1)  # heads that never recall (anchors, fixed heads) need no headroom
         new_caps = np.minimum(self.n_audio, self.n_rows + np.where(recallable, headroom, 0))
         if np.array_equal(new_caps, self.caps):
@@ -262,7 +268,6 @@ class PackedAudioKVStore(StepAccounting):
             pos = np.concatenate([p for _, p in self._releases])
             self._releases = []
             self._release_mask[rows, pos] = False
-            width = self.n_audio + 1
             new_n = self.n_rows - np.bincount(rows, minlength=len(self.n_rows))
             holes = self.slot_of[rows, pos]
             fill = holes < new_n[rows]  # holes inside the kept range need a row moved in
@@ -270,7 +275,10 @@ class PackedAudioKVStore(StepAccounting):
             cnt = self.n_rows - new_n
             t_rows = np.repeat(np.arange(len(cnt)), cnt)
             t_slot = new_n[t_rows] + np.arange(len(t_rows)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            mover = ~np.isin(t_rows * width + t_slot, rows * width + holes)
+            is_hole = self._scratch_mask  # (rows, holes) marked, read at the tail slots, cleared again
+            is_hole[rows, holes] = True
+            mover = ~is_hole[t_rows, t_slot]
+            is_hole[rows, holes] = False
             f_rows, f_slot = rows[fill], holes[fill]
             o = np.lexsort((f_slot, f_rows))  # both sides in (row, slot) order: pairs line up head by head
             f_rows, f_slot = f_rows[o], f_slot[o]

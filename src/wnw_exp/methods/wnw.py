@@ -136,8 +136,8 @@ class WnW(Policy):
         self.roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
         self._check_chunks(ctx.token_rate)
         self.n_c, self.n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
-        # Rows a tidal head may hold beyond its prefill selection: the chunks of the last delta+1 steps.
-        self.recall_headroom = min(ctx.n_audio, (self.delta + 1) * self.top_k * self.n_c)
+        # Segments a tidal head may hold recalled at once (see `recall_headroom`).
+        self.peak_segments = triage.peak_recalled_segments(ctx.n_audio, self.n_s, self.n_c, self.top_k, self.delta)
         n_a = ctx.n_audio
         self.mobility, self.mobility_source = self._mobility()
         if self.recall_budget == "expected":
@@ -167,6 +167,22 @@ class WnW(Policy):
         self._host_index: tuple[np.ndarray, np.ndarray] | None = None  # built at the first chunk swap
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
                            resident_segments=[])
+
+    @property
+    def recall_headroom(self) -> np.ndarray:
+        """Device rows each (layer, KV head) = row l * H_kv + h may gain beyond its prefill selection, (L * H_kv,):
+        for a tidal head, the sum of its `peak_segments` largest per-segment host-tier counts (the most the
+        chunk swap can have recalled on it at once, `triage.peak_recalled_segments`: delta + 1 selections of
+        top_k chunks, as the packed store releases lazily), which is at most all its host-tier positions; 0
+        for every other head. Exact for any selection (segment or global). The packed store raises if a
+        recall would ever exceed it. Read after `place` has run on every layer."""
+        H = self.ctx.n_kv_heads
+        room = np.zeros(self.ctx.n_layers * H, np.int64)
+        n_seg = len(self.swap.segments)
+        for (li, k), pos in self.offloaded.items():
+            per_seg = np.bincount(pos.numpy() // self.n_s, minlength=n_seg)
+            room[li * H + k] = np.sort(per_seg)[::-1][: self.peak_segments].sum()
+        return room
 
     def _mobility(self) -> tuple[float, str]:
         """The anchor attention's mobility between chunks (see the module docstring) and where it came from.
@@ -212,29 +228,37 @@ class WnW(Policy):
             return
         selected, recall, release = self.swap.step(self.scores_acc)
         self.scores_acc.zero_()  # A^(s) reflects only the current step
-        for seg in recall:
-            self._move(seg, recall=True)
-        for seg in release:
-            self._move(seg, recall=False)
+        self._move(recall, recall=True)
+        self._move(release, recall=False)
         self._trace["selected_chunks"].append(selected)
         self._trace["recalled_segments"].append(recall)
         self._trace["released_segments"].append(release)
         self._trace["recalled_fraction"].append(self.swap.recalled_fraction)
         self._trace["resident_segments"].append(int(self.swap.recalled.sum()))
 
-    def _move(self, seg: int, recall: bool) -> None:
-        """Recall or release segment `seg`'s host-tier positions on every tidal head, in one store call."""
+    def _move(self, segs: list[int], recall: bool) -> None:
+        """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the
+        segments are disjoint, so one call queues exactly what one call per segment, in order, would)."""
+        if not segs:
+            return
         if self._host_index is None:  # (rows, positions) of every tidal head's host tier, by position
             H = self.ctx.n_kv_heads
             rows = [np.full(len(c), li * H + k) for (li, k), c in self.offloaded.items()]
             pos = [c.numpy() for c in self.offloaded.values()]
             rows, pos = (np.concatenate(rows), np.concatenate(pos)) if rows else (np.zeros(0, int), np.zeros(0, int))
             order = np.argsort(pos, kind="stable")
-            self._host_index = rows[order], pos[order]
-        rows, pos = self._host_index
-        lo, hi = np.searchsorted(pos, self.swap.segments[seg])
-        if hi > lo:
-            (self.store.recall_rows if recall else self.store.release_rows)(rows[lo:hi], pos[lo:hi])
+            starts = np.array([b for b, _ in self.swap.segments] + [self.ctx.n_audio], np.int64)
+            self._host_index = rows[order], pos[order], np.searchsorted(pos[order], starts)
+        rows, pos, seg_at = self._host_index
+        lo, hi = seg_at[segs], seg_at[np.asarray(segs) + 1]
+        if len(segs) == 1 or (lo[1:] == hi[:-1]).all():  # adjacent segments: one slice
+            sl = slice(lo[0], hi[-1])
+            r, p = rows[sl], pos[sl]
+        else:
+            idx = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+            r, p = rows[idx], pos[idx]
+        if len(p):
+            (self.store.recall_rows if recall else self.store.release_rows)(r, p)
 
     # --- records ------------------------------------------------------------------------------------
     def knobs(self) -> dict:

@@ -1,0 +1,98 @@
+"""WnW on the packed GPU store: each tidal head's recall room is what the chunk swap can hold at once.
+
+The room (`WnW.recall_headroom`) is the sum of a tidal head's `triage.peak_recalled_segments` largest
+per-segment host-tier counts: delta + 1 selections of top_k chunks (the packed store releases lazily, so the
+segments a decision releases are still held while the ones it recalls are queued). Attention that jumps to
+chunks disjoint from everything recent reaches that peak exactly; one row less and the store refuses the recall.
+No kernel runs here (moves only), so this needs neither CUDA nor Triton.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from wnw_exp.calibration import triage
+from wnw_exp.calibration.head_scores import HeadScores
+from wnw_exp.kv.packed import PackedAudioKVStore
+from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.methods.base import PrefillScores, SampleContext
+from wnw_exp.methods.wnw import WnW
+
+N_AUDIO = 200  # 20 segments of 10 tokens, chunks of 20 tokens every 10 (19 chunks)
+
+
+def test_peak_recalled_segments_by_hand():
+    # n_s = 25, n_c = 50 (w = 2), top_k = delta = 3: (3 + 1) * 3 * 2 = 24 segments, capped at the segment count
+    assert triage.peak_recalled_segments(3000, 25, 50, 3, 3) == 24
+    assert triage.peak_recalled_segments(400, 25, 50, 3, 3) == 16
+    assert triage.peak_recalled_segments(100, 25, 50, 3, 3) == 4  # 3 chunks: every one selected, all 4 segments
+    assert triage.peak_recalled_segments(0, 25, 50, 3, 3) == 0
+    lo, hi = triage.resident_segment_bounds(3000, 25, 50, 3, 3)
+    assert hi == 18 < triage.peak_recalled_segments(3000, 25, 50, 3, 3)
+
+
+def _setup(store_cls, delta=3, selection="segment", room_delta=0):
+    vs = np.array([[1.0, 0.2], [0.1, 0.5]])
+    scores = HeadScores(model="tiny_test", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5,
+                        voice_score=vs, head_sensitivity=np.ones((2, 2)), calibration={})
+    policy = WnW(scores=scores, n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6, stride_seconds=0.8, top_k=1,
+                 delta=delta, selection=selection)
+    ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=N_AUDIO,
+                        retention=0.3, device=torch.device("cpu"))
+    store = store_cls(2, 2, 4, N_AUDIO, torch.device("cpu"), torch.float32, dense_capacity=16)
+    policy.start(ctx, store)
+    torch.manual_seed(0)
+    for layer in range(2):
+        k = torch.randn(2, N_AUDIO + 3, 4)
+        store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
+        post = torch.rand(4, 2, N_AUDIO)
+        policy.place(layer, PrefillScores(post))
+    if store_cls is PackedAudioKVStore:
+        store.compact(headroom=policy.recall_headroom + room_delta)
+    return policy, store
+
+
+def _jump(policy, store, s):
+    """Anchor attention on chunk 2s (mod 19): every step's chunk shares no segment with the last delta ones."""
+    p = torch.full((2, N_AUDIO), 1e-4)
+    start = (20 * s) % 180
+    p[:, start:start + 20] = 0.05
+    policy.observe(0, p)
+    policy.after_step(s)
+
+
+@pytest.mark.parametrize("selection", ["segment", "global"])
+def test_recall_room_is_reached_and_never_exceeded(selection):
+    policy, store = _setup(PackedAudioKVStore, selection=selection)
+    ref_policy, ref = _setup(AudioKVStore, selection=selection)
+    room = policy.recall_headroom
+    r = 1 * 2 + 1  # the tidal head (1, 1)
+    assert (room[[0, 1, 2]] == 0).all()  # anchor and fixed heads recall nothing
+    per_seg = np.bincount(policy.offloaded[(1, 1)].numpy() // 10, minlength=20)
+    assert room[r] == np.sort(per_seg)[::-1][:8].sum() < per_seg.sum()  # (3 + 1) * 1 * 2 = 8 of 20 segments
+    prefill = int(store.n_rows[r])
+    assert store.caps[r] == prefill + room[r]
+    peak = 0
+    for s in range(12):
+        _jump(policy, store, s)
+        _jump(ref_policy, ref, s)
+        peak = max(peak, int(store.n_rows[r] + store._queued_n[r]) - prefill)
+        store.issue()
+        store.flush()
+        store.end_step()
+        ref.end_step()
+        got = sorted(store.row_pos[r, : store.n_rows[r]].tolist())
+        assert got == sorted(ref.heads[1][1].gpu_pos.tolist())  # same positions on the device as the reference
+    if selection == "segment":  # every segment misses as many positions: the bound is reached, it is tight
+        assert peak == room[r] == 8 * 5
+    assert 0 < peak <= room[r]
+
+
+def test_one_row_less_and_the_store_refuses_the_recall():
+    policy, store = _setup(PackedAudioKVStore, room_delta=-1)
+    with pytest.raises(RuntimeError, match="region is full"):
+        for s in range(12):
+            _jump(policy, store, s)
+            store.issue()
+            store.flush()
+            store.end_step()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from wnw_exp.methods import register
@@ -128,30 +129,105 @@ class ArkVale(Policy):
         self.select_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo).cpu())
 
     def select_pages(self, layer: int, scores: torch.Tensor) -> None:
-        """Step 5's page swap of `layer` from its (H_kv, n_pages) page scores, on the host. (The GPU decode
-        benchmark computes the scores inside its CUDA graph and calls this once per layer after the step.)"""
+        """Step 5's page swap of `layer` from its (H_kv, n_pages) page scores, on the host."""
         if layer not in self.resident:
             return
-        for head in range(self.ctx.n_kv_heads):
-            p_head = self.budget[layer][head]
-            if p_head == 0:
-                continue
-            k = max(1, math.floor(self.topk_fraction * p_head))
-            score = scores[head]
-            top = torch.topk(score, k).indices
-            resident = self.resident[layer][head]
-            missing = top[~resident[top]]
-            if len(missing) == 0:
-                continue
-            candidates = resident.clone()
-            candidates[top] = False  # never evict a page of this step's top-k
-            pool = candidates.nonzero().flatten()
-            victims = pool[torch.topk(score[pool], len(missing), largest=False).indices]
-            self.store.release(layer, head, self._positions(victims))
-            self.store.recall(layer, head, self._positions(missing))
-            resident[victims] = False
-            resident[missing] = True
-            self.n_recalled_pages += len(missing)
+        if hasattr(self.store, "recall_batch"):
+            self.select_pages_all(scores[None], [layer])
+            return
+        for head in range(self.ctx.n_kv_heads):  # the reference store: per head, in its row order
+            victims, missing = self._swap_head(layer, head, scores[head])
+            if len(missing):
+                self.store.release(layer, head, self._positions(victims))
+                self.store.recall(layer, head, self._positions(missing))
+
+    def _swap_head(self, layer: int, head: int, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head's swap (ArkVale's `select_topk`); updates `resident`, returns (victim, missing) pages."""
+        none = torch.zeros(0, dtype=torch.long)
+        p_head = self.budget[layer][head]
+        if p_head == 0:
+            return none, none
+        k = max(1, math.floor(self.topk_fraction * p_head))
+        top = torch.topk(score, k).indices
+        resident = self.resident[layer][head]
+        missing = top[~resident[top]]
+        if len(missing) == 0:
+            return none, none
+        candidates = resident.clone()
+        candidates[top] = False  # never evict a page of this step's top-k
+        pool = candidates.nonzero().flatten()
+        victims = pool[torch.topk(score[pool], len(missing), largest=False).indices]
+        resident[victims] = False
+        resident[missing] = True
+        self.n_recalled_pages += len(missing)
+        return victims, missing
+
+    def select_pages_all(self, scores: torch.Tensor, layers: list[int] | None = None) -> None:
+        """`select_pages` for several layers at once on the packed store, vectorised over every (layer, head):
+        scores (len(layers), H_kv, n_pages), layers default: every paged layer (then scores is (L, H_kv, n_pages)).
+
+        The same pages as the per-head `_swap_head`: the top-k set and the victim set are unique whenever the
+        k-th and (k+1)-th scores differ (resp. the m-th and (m+1)-th smallest candidate scores); a head with a
+        tie at either boundary, or a non-finite score, goes through `_swap_head` itself (torch.topk's choice).
+        Every head's moves are then queued in one release_rows and one recall_rows call (the packed store
+        sorts each head's positions, as its per-head `release` / `recall` do)."""
+        if layers is None:
+            layers = sorted(self.resident)
+            scores = scores[layers]
+        layers = [li for li in layers if li in self.resident]
+        if not layers:
+            return
+        H, P = self.ctx.n_kv_heads, len(self.bounds) - 1
+        if not hasattr(self, "_budget_np"):
+            b = self.bounds.numpy()
+            self._page_starts = b[:-1].astype(np.int64), np.diff(b).astype(np.int64)
+            self._budget_np = np.asarray(self.budget, np.int64)  # (L, H)
+        S = np.ascontiguousarray(scores.detach().cpu().float().numpy()).reshape(-1, P)
+        R = torch.stack([self.resident[li] for li in layers]).reshape(-1, P).numpy().copy()
+        p = self._budget_np[layers].reshape(-1)
+        n = len(S)
+        rows = np.arange(n)
+        k = np.maximum(1, np.floor(self.topk_fraction * p).astype(np.int64))
+        active = p > 0
+        order = np.argsort(-S, axis=1, kind="stable")
+        vals = np.take_along_axis(S, order, 1)
+        kc = np.minimum(k, P)
+        tie = (kc < P) & (vals[rows, kc - 1] == vals[rows, np.minimum(kc, P - 1)])
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(P), (n, P)), 1)
+        top = rank < k[:, None]
+        missing = top & ~R
+        m = missing.sum(1)
+        cand = R & ~top
+        order2 = np.argsort(np.where(cand, S, np.inf), axis=1, kind="stable")
+        vals2 = np.take_along_axis(np.where(cand, S, np.inf), order2, 1)
+        n_cand = cand.sum(1)
+        mc = np.clip(m, 1, P)
+        tie |= (m > 0) & (m < n_cand) & (vals2[rows, mc - 1] == vals2[rows, np.minimum(mc, P - 1)])
+        tie |= ~np.isfinite(S).all(1)
+        fast = active & ~tie & (m > 0)
+        rank2 = np.empty_like(order2)
+        np.put_along_axis(rank2, order2, np.broadcast_to(np.arange(P), (n, P)), 1)
+        victims = (rank2 < m[:, None]) & fast[:, None]
+        missing &= fast[:, None]
+        R[victims] = False
+        R[missing] = True
+        for i, li in enumerate(layers):
+            self.resident[li].copy_(torch.from_numpy(R[i * H:(i + 1) * H]))
+        self.n_recalled_pages += int(m[fast].sum())
+        for r in np.flatnonzero(active & tie):  # ties: the per-head rule itself
+            li, h = layers[r // H], int(r % H)
+            v, mi = self._swap_head(li, h, torch.from_numpy(S[r]))
+            victims[r, v.numpy()] = True
+            missing[r, mi.numpy()] = True
+        flat_row = np.asarray(layers, np.int64).repeat(H) * H + np.tile(np.arange(H), len(layers))
+        starts, sizes = self._page_starts
+        for mask, fn in ((victims, self.store.release_rows), (missing, self.store.recall_rows)):
+            r, pg = np.nonzero(mask)  # by head, then page: each head's positions ascending
+            if len(r):
+                sz = sizes[pg]
+                first = np.repeat(np.cumsum(sz) - sz, sz)
+                fn(np.repeat(flat_row[r], sz), np.repeat(starts[pg], sz) + np.arange(int(sz.sum())) - first)
 
     def knobs(self) -> dict:
         n_pages = len(self.bounds) - 1

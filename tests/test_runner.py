@@ -16,7 +16,7 @@ from wnw_exp.engine.rundir import read_predictions
 from wnw_exp.engine.runner import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
-SHORT = ["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=5"]
+SHORT = ["model=tiny_random", "method=full", "dataset.min_seconds=3", "dataset.max_seconds=5"]
 
 
 def config(tmp_path, *overrides):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype
+from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.calibration.alignment import build_aligner
 from wnw_exp.calibration.head_scores import HeadScores, code_version
 from wnw_exp.calibration import triage
@@ -123,6 +123,7 @@ def run_calibration(cfg: dict, output: Path, progress: bool = True) -> HeadScore
     hs_tokens. Writes `output` (head_scores.json) and `calibration.jsonl` beside it."""
     device = resolve_device(cfg.get("device", "auto"))
     dtype = resolve_dtype(cfg.get("dtype", "auto"), device)
+    set_cpu_threads(cfg.get("cpu_threads"), device)
     torch.manual_seed(cfg.get("seed", 0))
     dataset = build_dataset(cfg["dataset"])
     aligner = build_aligner(cfg["alignment"])

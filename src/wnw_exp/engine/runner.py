@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import wnw_exp
-from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype
+from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.data import build_dataset
 from wnw_exp.engine.decode import generate, max_new_tokens_for
 from wnw_exp.engine.rundir import RunDirLock, aggregate, append_prediction, read_predictions, write_metrics
@@ -56,6 +56,7 @@ def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
 def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)
+    set_cpu_threads(cfg.get("cpu_threads"), device)
     dataset = build_dataset(cfg["dataset"])
     torch.manual_seed(cfg["seed"])
     backbone = load_backbone(cfg["model"], device, dtype)

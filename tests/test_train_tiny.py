@@ -117,6 +117,14 @@ def test_train_resume_export_roundtrip(tmp_path, monkeypatch):
     assert (out / "tokenizer.json").exists() and (out / "preprocessor_config.json").exists()
     assert all(f.stat().st_size < 16 * 2**20 for f in out.glob("*.safetensors"))
     # a new run directory can start from the exported folder and go on counting steps
-    main(["train", "--total-steps", "3", "--init-from", str(out), *common[:1], str(tmp_path / "run2"), *common[2:]])
-    state3 = torch.load(tmp_path / "run2" / "state.pt", weights_only=False)
+    # ... with the frame heads of the same checkpoint, on one stage of mixed clip lengths (fine-tuning)
+    torch.save(state2["heads"], tmp_path / "heads.pt")
+    run2 = tmp_path / "run2"
+    main(["train", "--total-steps", "3", "--init-from", str(out), "--init-heads", str(tmp_path / "heads.pt"),
+          "--clip-seconds", "1", "3", *common[:1], str(run2), *common[2:]])  # fmt: skip
+    state3 = torch.load(run2 / "state.pt", weights_only=False)
     assert state3["meta"]["step"] == 3 and len(state3["meta"]["sessions"]) == 3
+    assert state3["meta"]["sessions"][-1]["args"]["clip_seconds"] == [1.0, 3.0]
+    log3 = [json.loads(line) for line in (run2 / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log3] == [1, 2, 3]  # the exported history is carried on
+    assert log3[-1]["clip_seconds"] == [1.0, 3.0]

@@ -145,6 +145,9 @@ def train(args: argparse.Namespace) -> None:
 
     total = args.total_steps
     curriculum = batch_curriculum(scaled_curriculum(total), args.batch_windows)
+    if args.clip_seconds:  # fine-tuning: one stage of mixed lengths replaces the curriculum
+        lo, hi = args.clip_seconds
+        curriculum = (Stage(10**9, lo, hi, args.batch_windows or CURRICULUM[-1].windows),)
     step = mp.Value("i", meta["step"])
     stream = SyntheticBatches(vocab, args.seed, meta["next_index"], step,
                               args.vocab_size, curriculum, TRAIN_VOICES)  # fmt: skip
@@ -402,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     t.add_argument("--init-from", default="", help="start from an exported model folder when run-dir has no checkpoint")
+    t.add_argument("--clip-seconds", type=float, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="replace the curriculum by one stage of MIN..MAX s clips (fine-tuning on mixed lengths)")
     t.add_argument("--init-heads", default="", help="with --init-from: a .pt of the frame heads' state dict")
     t.add_argument("--batch-windows", type=int, default=0, help="30 s windows per batch (0: the curriculum's)")
     t.add_argument("--arch", default="", help="JSON overrides of TinyArch (for smoke tests)")

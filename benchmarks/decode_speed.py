@@ -8,10 +8,12 @@ in one CUDA graph, with the REAL policies of src/wnw_exp/methods/ (full, adakv, 
     python3 benchmarks/decode_speed.py --smoke [--out x.json]   # every row at tiny dims on the CPU, < 1 min
 
 Reported per row: median ms/token over forced greedy steps (no EOS; CUDA events, one per step, so host work
-between two replays counts), the mean wall time, H2D MB/step, r_GPU and r_GPU+CPU (§3.4, mean over steps),
-peak GPU memory (torch.cuda.max_memory_allocated), and the GPU bytes held by the audio KV: the storage of the
-packed audio K/V/position buffers (`audio_kv_bytes`) and what the CUDA caching allocator frees when they are
-dropped after the run (`audio_kv_alloc_bytes`).
+between two replays counts), the mean wall time, the host time per step of the store's flush and of the
+policy's decision + issuing its copies (`host_flush_ms`, `host_decide_ms`: median; `_mean`: mean), H2D
+MB/step, r_GPU and r_GPU+CPU (§3.4, mean over steps), peak GPU memory (torch.cuda.max_memory_allocated),
+and the GPU bytes held by the audio KV: the storage of the packed audio K/V/position buffers
+(`audio_kv_bytes`) and what the CUDA caching allocator frees when they are dropped after the run
+(`audio_kv_alloc_bytes`).
 
 How each policy runs on the graph (per step: flush queued moves -> replay -> one device-to-host copy of the
 policy's per-step signal -> one host wait -> the policy's own host decision -> recalls issued on the side
@@ -21,18 +23,21 @@ stream, overlapping the next step):
   the policy's own `observe` (inside the graph) sums them into its accumulator A; at the end of the graph A is
   snapshotted and zeroed. On the host, the snapshot goes through the scripted anchor attention (below) and
   the policy's own `after_step` (ChunkSwap, recall/release of the tidal heads' segments). `_move` issues one
-  vectorised store call per segment (`recall_rows`/`release_rows`). Decisions after step s apply at s+1, as
-  in §2.3 (`lag 1`); `_pipelined` rows decide from step s while step s+1 runs and apply at s+2 (`lag 2`).
+  vectorised store call for all the segments a step recalls, one for those it releases (`recall_rows` /
+  `release_rows`). Decisions after step s apply at s+1, as in §2.3 (`lag 1`); `_pipelined` rows decide
+  from step s while step s+1 runs and apply at s+2 (`lag 2`).
 - arkvale: inside the graph each layer's page scores (the policy's own `page_scores` on its key digests and
-  the step's query) go into a (L, H_kv, n_pages) buffer; on the host the policy's own `select_pages` swaps
-  pages per head. This is one step late against ArkVale proper, which recalls before the layer's attention
-  (a host sync per layer, which a graph cannot hold).
+  the step's query) go into a (L, H_kv, n_pages) buffer; on the host the policy's own `select_pages_all`
+  (its per-head `select_pages` rule, vectorised over every layer and head) swaps pages. This is one step
+  late against ArkVale proper, which recalls before the layer's attention (a host sync per layer, which a
+  graph cannot hold).
 Scripted anchor attention (WnW only; random weights have no audio grounding to follow): after each step,
 the anchors' accumulated weights A (n_audio,) are replaced by (1 - beta) * A + beta * M * g_s, where M is the
 number of anchor query heads (so both parts have the mass of M softmax rows), beta = 0.9, and g_s a Gaussian
 over audio positions (sum 1, sigma = half a chunk) centred at (12 * s) mod n_audio: the focus moves 12 audio
 tokens (~1 s of audio) per generated token, about 3x a transcript's pace, so the top-3 chunks change every
 few steps and the tidal heads recall and release segments throughout (`--anchor-speed`, `--anchor-beta`).
+The g_s of a run's steps are computed before its timed loop (they stand in for device-side attention).
 The head scores come from a synthetic head_scores.json written by `synthetic_head_scores` (seeded random VS
 ~ Beta(2, 20) and HS ~ LogNormal(-11, 1) per KV head; the file format of calibration/head_scores.py),
 loaded by the policy through `method.head_scores` as a calibrated file would be.
@@ -217,14 +222,21 @@ class ScriptedAnchor:
         self.n_audio, self.sigma, self.speed, self.beta = n_audio, max(width / 2, 1.0), speed, beta
         self.mass = 1.0  # M: set to the number of anchor query heads by WnWOnGraph
         self.x = torch.arange(n_audio, dtype=torch.float32)
+        self._bumps: list[torch.Tensor] = []  # g_s of steps 0, 1, ... computed ahead by `prepare`
 
     def bump(self, step: int) -> torch.Tensor:
         c = (self.speed * step) % self.n_audio
         g = torch.exp(-0.5 * ((self.x - c) / self.sigma) ** 2)
         return g / g.sum()
 
+    def prepare(self, steps: int) -> None:
+        """Compute the bumps of steps [0, steps) ahead, outside the timed loop: the script stands in for
+        attention the model computes on the device, so its own host cost is no part of the policy's."""
+        self._bumps = [self.bump(s) for s in range(steps)]
+
     def apply(self, a: torch.Tensor, step: int) -> None:
-        a.mul_(1 - self.beta).add_(self.bump(step).to(a.device), alpha=self.beta * self.mass)
+        g = self._bumps[step] if step < len(self._bumps) else self.bump(step)
+        a.mul_(1 - self.beta).add_(g.to(a.device), alpha=self.beta * self.mass)
 
 
 class OnGraph:
@@ -290,8 +302,7 @@ class ArkValeOnGraph(OnGraph):
         fstep.on_layer = score
 
     def decide(self, step: int, host: torch.Tensor) -> None:
-        for li in sorted(self.policy.resident):
-            self.policy.select_pages(li, host[li])
+        self.policy.select_pages_all(host)  # = select_pages per layer, vectorised over every (layer, head)
 
 
 # --- the fast path --------------------------------------------------------------------------------------
@@ -417,6 +428,8 @@ class FastDecoder:
         if lag not in (1, 2):
             raise ValueError("lag is 1 or 2")
         og = self.on_graph if recall else None
+        if og is not None and getattr(og, "script", None) is not None:
+            og.script.prepare(steps)
         cuda = _cuda()
         hosts, done = [], [None, None]
         if og is not None and og.snap is not None:
@@ -426,9 +439,12 @@ class FastDecoder:
         _sync()
         _reset_peak()
         evs = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else None
+        t_flush, t_decide = [], []  # host seconds per step: store.flush(), and decide + issue
         t0 = time.perf_counter()
         for i in range(steps):
+            tf = time.perf_counter()
             self.store.flush()  # the moves decided last time (their copies were issued on the side stream)
+            t_flush.append(time.perf_counter() - tf)
             if cuda:
                 evs[i].record()
             self.graph.replay() if self.graph is not None else self.step()
@@ -444,8 +460,10 @@ class FastDecoder:
                 if j >= 0:
                     if cuda:
                         done[j % 2].synchronize()
+                    td = time.perf_counter()
                     og.decide(j, hosts[j % 2])
                     self.store.issue()  # copies start on the side stream, overlapping the step in flight
+                    t_decide.append(time.perf_counter() - td)
             self.store.end_step()
         if cuda:
             evs[steps].record()
@@ -458,7 +476,10 @@ class FastDecoder:
                    h2d_mb_per_step=summ["mb_per_step"], r_gpu=summ["r_gpu"], r_gpu_cpu=summ["r_gpu_cpu"],
                    steps_with_h2d=sum(s.h2d_bytes > 0 for s in self.store.steps[-steps:]),
                    peak_gb=_peak_gb(), audio_kv_bytes=self.store.audio_bytes_on_device(), steps=steps,
-                   fused=self.fstep is not None, graph=self.graph is not None, lag=lag if og is not None else None)
+                   fused=self.fstep is not None, graph=self.graph is not None, lag=lag if og is not None else None,
+                   host_flush_ms=float(np.median(t_flush) * 1e3), host_flush_ms_mean=float(np.mean(t_flush) * 1e3))
+        if t_decide:  # the policy's host decision (after_step / select_pages) + issuing its copies
+            out.update(host_decide_ms=float(np.median(t_decide) * 1e3), host_decide_ms_mean=float(np.mean(t_decide) * 1e3))
         if self.policy is not None:
             try:
                 out["knobs"] = {k: v for k, v in self.policy.knobs().items() if isinstance(v, (int, float, str))}

@@ -352,7 +352,6 @@ class ChunkSwap:
         self._starts = np.array([s for s, _ in self.chunks], np.int64)
         self._ends = np.array([e for _, e in self.chunks], np.int64)
         self._c = np.zeros(n_audio + 1)  # the prefix sums of A (float64), reused every step
-        self._chunk_segments = [np.asarray(c, np.int64) for c in self.chunk_segments]
 
     def select(self, a: torch.Tensor | np.ndarray) -> list[int]:
         """Top-k chunks by the mean of A over each chunk (float64 prefix sums); ties: the earlier chunk. On the
@@ -366,8 +365,7 @@ class ChunkSwap:
         return sorted(np.argsort(-mean, kind="stable")[:k].tolist())
 
     def update(self, selected_chunks: list[int]) -> tuple[list[int], list[int]]:
-        wanted = np.unique(np.concatenate([self._chunk_segments[c] for c in selected_chunks])).tolist() \
-            if selected_chunks else []
+        wanted = sorted({s for c in selected_chunks for s in self.chunk_segments[c]})
         recall = [s for s in wanted if not self.recalled[s]]
         self.recalled[wanted] = True
         self.unselected[wanted] = 0

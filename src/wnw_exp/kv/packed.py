@@ -280,7 +280,7 @@ class PackedAudioKVStore(StepAccounting):
             mover = ~is_hole[t_rows, t_slot]
             is_hole[rows, holes] = False
             f_rows, f_slot = rows[fill], holes[fill]
-            o = np.lexsort((f_slot, f_rows))  # both sides in (row, slot) order: pairs line up head by head
+            o = np.argsort(f_rows * (self.n_audio + 1) + f_slot)  # both sides in (row, slot) order (pairs distinct)
             f_rows, f_slot = f_rows[o], f_slot[o]
             m_rows, m_slot = t_rows[mover], t_slot[mover]  # already in (row, slot) order
             moved_pos = self.row_pos[m_rows, m_slot]

@@ -9,6 +9,15 @@ from wnw_exp.backbones.qwen_omni import QwenOmniBackbone
 from wnw_exp.backbones.tiny_random import tiny_voxtral_config
 from wnw_exp.backbones.voxtral import VoxtralBackbone
 from wnw_exp.backbones.word_tokenizer import EOS, build_word_tokenizer
+from wnw_exp.calibration.head_scores import HeadScores
+
+
+def scores_for(vs, hs, name="tiny_test", n_q_heads=None, **calibration) -> HeadScores:
+    """Head scores for a made-up model: voice scores `vs` and sensitivities `hs`, both (L, H_kv)."""
+    vs, hs = np.asarray(vs, float), np.asarray(hs, float)
+    L, H = vs.shape
+    return HeadScores(model=name, n_layers=L, n_q_heads=n_q_heads or 2 * H, n_kv_heads=H, head_dim=4,
+                      token_rate=12.5, voice_score=vs, head_sensitivity=hs, calibration=calibration)
 
 
 def noise_audio(seconds: float, seed: int = 0) -> np.ndarray:

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import noise_audio, tiny_voxtral
+from helpers import noise_audio, scores_for, tiny_voxtral
 from wnw_exp.calibration import triage
-from wnw_exp.calibration.head_scores import HeadScores, HeadScoresError
+from wnw_exp.calibration.head_scores import HeadScoresError
 from wnw_exp.engine.decode import generate
 from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods import build_policy
@@ -14,13 +14,6 @@ from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw import DEFAULT_MOBILITY, WnW
 
 A, T, F = triage.ANCHOR, triage.TIDAL, triage.FIXED
-
-
-def scores_for(vs, hs, name="tiny_test", n_q_heads=None, **calibration):
-    vs, hs = np.asarray(vs, float), np.asarray(hs, float)
-    L, H = vs.shape
-    return HeadScores(model=name, n_layers=L, n_q_heads=n_q_heads or 2 * H, n_kv_heads=H, head_dim=4,
-                      token_rate=12.5, voice_score=vs, head_sensitivity=hs, calibration=calibration)
 
 
 # --- triage ------------------------------------------------------------------------------------------

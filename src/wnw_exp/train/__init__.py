@@ -1,1 +1,1 @@
-"""Training of the embedded default model (`model=tiny`): a small Voxtral trained on synthetic speech."""
+"""Training of the embedded default model (`model=whisper_smollm2`): its projector (and optional LoRA) on synthetic speech."""

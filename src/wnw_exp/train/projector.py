@@ -1,0 +1,452 @@
+"""`wnw-train-projector`: train the projector of `model=whisper_smollm2` (and, if asked, LoRA adapters).
+
+The encoder (Whisper-base) and the decoder (SmolLM2-135M-Instruct) stay frozen, as in SLAM-ASR: only the
+projector (2048 -> 576 -> 576, 1.5 M parameters) learns to turn stacked encoder frames into embeddings the
+pretrained LM reads as speech. `--lora-rank R` adds low-rank adapters to the decoder's attention
+projections (q, k, v, o of every layer) for a second stage, to be used only if the projector alone leaves
+the WER too high; they ship as `lora.safetensors` and are merged into the weights at load.
+
+Data: natural-text synthetic speech (`synthesize_clip(text="natural", text_split="train")`: the train
+subjects of the SmolLM2-written corpus, never a test, dev or calibration subject; the six English voices;
+150-200 wpm), synthesised on the fly by DataLoader workers from the training seeds (1,000,000 + seed).
+A batch holds whole 30 s windows up to `--batch-windows`. The loss is the cross-entropy of the answer
+tokens (the transcript and `<|im_end|>`) given SmolLM2's chat prompt with the audio in the user turn,
+exactly the prompt `wnw-run` builds (`voxtral.chat_prompt_ids`).
+
+Schedule: the learning rate (linear warm-up, cosine decay to a tenth) and the stages (`--stages`: short clips
+first, then the full 20-240 s range) follow the session's progress, the larger of step / `--total-steps`
+and elapsed / `--minutes`, so a time-limited session on a machine of unknown speed still anneals. A session
+resumes from `RUN_DIR/state.pt` (the trained weights and the optimizer); its schedule starts again.
+
+    wnw-train-projector train --run-dir RUN --minutes 6 --total-steps 2000 --workers 14 [--lora-rank 16]
+    wnw-train-projector eval --run-dir RUN --n 20 --split dev --min-seconds 120 --max-seconds 240
+    wnw-train-projector export --run-dir RUN --out src/wnw_exp/backbones/whisper_smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from wnw_exp.backbones import lora
+from wnw_exp.backbones.voxtral import chat_prompt_ids
+from wnw_exp.backbones.whisper_smollm2 import TRAINED_DIR, assemble
+from wnw_exp.data.base import SAMPLE_RATE
+from wnw_exp.data.synthetic import DEFAULT_VOICES, SPLIT_SEED_BASE, synthesize_clip
+
+WINDOW_SAMPLES = 30 * SAMPLE_RATE
+TOKENS_PER_WINDOW = 375
+TRAIN_SEED = SPLIT_SEED_BASE["train"]
+VOICES = DEFAULT_VOICES["en"]
+# (until this fraction of the session, min seconds, max seconds)
+DEFAULT_STAGES = ((0.25, 4.0, 30.0), (1.0, 20.0, 240.0))
+
+
+def stage_at(progress: float, stages) -> tuple[float, float]:
+    for until, lo, hi in stages:
+        if progress < until:
+            return lo, hi
+    return stages[-1][1], stages[-1][2]
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to a tenth of the peak as progress goes 0 -> 1."""
+    w = min(1.0, (step + 1) / warmup)
+    progress = min(1.0, max(0.0, progress))
+    return peak * w * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_features(windows: torch.Tensor, extractor, device: torch.device) -> torch.Tensor:
+    """Log-mel features of whole 30 s windows (int16 samples), on `device`: the arithmetic of
+    `WhisperFeatureExtractor` (STFT, mel filter bank, log10, per-window floor at max - 8, (x + 4) / 4)
+    without its numpy round trips."""
+    audio = windows.to(device, non_blocking=True).float() / 32768.0
+    window = torch.hann_window(extractor.n_fft, device=device)
+    stft = torch.stft(audio, extractor.n_fft, extractor.hop_length, window=window, return_complex=True)
+    magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+    mel = torch.from_numpy(extractor.mel_filters).to(device, torch.float32).T @ magnitudes
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.amax(dim=(1, 2), keepdim=True) - 8.0)
+    return (log_spec + 4.0) / 4.0
+
+
+def to_windows(audio: np.ndarray) -> np.ndarray:
+    """(n_windows, 480000) int16: the clip cut into 30 s windows, the last zero-padded (as `windowed_features`)."""
+    nw = max(1, math.ceil(len(audio) / WINDOW_SAMPLES))
+    out = np.zeros(nw * WINDOW_SAMPLES, np.int16)
+    out[: len(audio)] = np.round(audio * 32768.0).clip(-32768, 32767).astype(np.int16)
+    return out.reshape(nw, WINDOW_SAMPLES)
+
+
+class NaturalClips(IterableDataset):
+    """Endless batches of training clips; worker w synthesises clip indices first_index + w, + n_workers, ...
+
+    `progress` (a shared multiprocessing.Value, 0 -> 1) is the session's progress; it picks the stage's clip
+    lengths."""
+
+    def __init__(self, tokenizer, seed: int, first_index: int, progress, stages, batch_windows: int):
+        self.tokenizer, self.seed, self.first_index, self.progress = tokenizer, seed, first_index, progress
+        self.stages, self.batch_windows = stages, batch_windows
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        index = self.first_index + wid
+        while True:
+            lo, hi = stage_at(self.progress.value, self.stages)
+            windows, answers, used = [], [], 0
+            while used < self.batch_windows:
+                try:
+                    audio, words = synthesize_clip(TRAIN_SEED + self.seed, index, text="natural", text_split="train",
+                                                   voices=VOICES, min_seconds=lo, max_seconds=hi)
+                except RuntimeError:  # espeak could not time a run of sentences: skip that clip
+                    index += nw
+                    continue
+                index += nw
+                w = to_windows(audio)
+                if used and used + len(w) > self.batch_windows:
+                    break
+                text = " ".join(x.text for x in words)
+                windows.append(w)
+                answers.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                used += len(w)
+            yield dict(windows=torch.from_numpy(np.concatenate(windows)), n_windows=[len(w) for w in windows],
+                       answers=answers, next_index=index)
+
+
+def sequence_batch(model, tokenizer, audio_embeds: torch.Tensor, n_windows: list[int], answers: list[list[int]]):
+    """(inputs_embeds (B, T, H), answer rows (B, R), targets (B, R) with -100 padding) for the teacher-forced pass."""
+    dec = model.model.language_model
+    audio_id, eos = model.config.audio_token_id, model.generation_config.eos_token_id
+    seqs, rows, targets, chunks, start = [], [], [], [], 0
+    for nw, ans in zip(n_windows, answers):
+        n_audio = nw * TOKENS_PER_WINDOW
+        prompt = chat_prompt_ids(tokenizer, audio_id, n_audio)
+        seqs.append(prompt + ans)
+        rows.append(np.arange(len(ans) + 1) + len(prompt) - 1)
+        targets.append(ans + [eos])
+        chunks.append((prompt.index(audio_id), audio_embeds[start:start + n_audio]))
+        start += n_audio
+    B, T, R = len(seqs), max(map(len, seqs)), max(map(len, rows))
+    dev = audio_embeds.device
+    ids = torch.full((B, T), eos, dtype=torch.long)
+    row_t = torch.zeros((B, R), dtype=torch.long)
+    tgt_t = torch.full((B, R), -100, dtype=torch.long)
+    for i in range(B):
+        ids[i, : len(seqs[i])] = torch.tensor(seqs[i])
+        row_t[i, : len(rows[i])] = torch.from_numpy(rows[i])
+        tgt_t[i, : len(targets[i])] = torch.tensor(targets[i])
+    embeds = dec.embed_tokens(ids.to(dev)).clone()
+    for i, (at, a) in enumerate(chunks):
+        embeds[i, at:at + a.shape[0]] = a.to(embeds.dtype)
+    return embeds, row_t.to(dev), tgt_t.to(dev)
+
+
+def answer_loss(model, embeds: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    dec = model.model.language_model
+    hidden = dec(inputs_embeds=embeds, use_cache=False).last_hidden_state  # causal; right padding is never seen
+    picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+    logits = model.lm_head(picked).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    mask = targets != -100
+    acc = ((logits.argmax(-1) == targets) & mask).sum() / mask.sum()
+    return loss, dict(ce=float(loss), token_acc=float(acc), answer_tokens=int(mask.sum()))
+
+
+def audio_embeddings(model, feats: torch.Tensor) -> torch.Tensor:
+    """The frozen encoder (no grad), then the trainable projector: (n_windows * 375, hidden)."""
+    with torch.no_grad():
+        enc = model.model.audio_tower(feats.to(model.model.audio_tower.conv1.weight.dtype)).last_hidden_state
+    stacked = enc.reshape(-1, model.config.audio_config.intermediate_size)
+    return model.model.multi_modal_projector(stacked)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def trainable_state(model) -> dict:
+    proj = {k: v.detach().float().cpu() for k, v in model.model.multi_modal_projector.state_dict().items()}
+    adapters, meta = lora.state(model.model.language_model)
+    return dict(projector=proj, lora=adapters, lora_meta=meta)
+
+
+def load_trainable(model, state: dict, lora_rank: int, lora_alpha: float) -> None:
+    model.model.multi_modal_projector.load_state_dict(state["projector"])
+    if state.get("lora"):
+        for name, mod in _lora_modules(model):
+            mod.lora_A.data.copy_(state["lora"][f"{name}.lora_A"])
+            mod.lora_B.data.copy_(state["lora"][f"{name}.lora_B"])
+
+
+def _lora_modules(model):
+    for li, layer in enumerate(model.model.language_model.layers):
+        for name, mod in layer.self_attn.named_children():
+            if isinstance(mod, lora.LoRALinear):
+                yield f"layers.{li}.{name}", mod
+
+
+# --- train ---------------------------------------------------------------------------------------------------
+def train(args: argparse.Namespace) -> None:
+    from transformers import WhisperFeatureExtractor
+
+    run = Path(args.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    device = _device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model, tokenizer, sources = assemble(None, seed=args.seed)
+    state_path = run / "state.pt"
+    meta = dict(step=0, next_index=0, train_seconds=0.0, sessions=[], sources=sources, lora_rank=0, stage_log=[])
+    state = None
+    if state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        meta = state["meta"]
+    lora_rank = args.lora_rank or meta.get("lora_rank", 0)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if lora_rank:
+        lora.attach(model.model.language_model, lora_rank, args.lora_alpha)
+    if state is not None:
+        load_trainable(model, state["trainable"], lora_rank, args.lora_alpha)
+    if lora_rank and not meta.get("lora_rank"):
+        meta["lora_from_step"] = meta["step"]  # the step the adapters joined
+    meta["lora_rank"] = lora_rank
+    for p in model.model.multi_modal_projector.parameters():
+        p.requires_grad_(True)
+    model.to(device)
+    model.train()
+    proj_params = list(model.model.multi_modal_projector.parameters())
+    lora_params = [p for _, m in _lora_modules(model) for p in (m.lora_A, m.lora_B)]
+    for p in lora_params:
+        p.requires_grad_(True)
+    groups = [dict(params=proj_params, lr=args.lr, peak=args.lr)]
+    if lora_params:
+        groups.append(dict(params=lora_params, lr=args.lora_lr, peak=args.lora_lr))
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.98), weight_decay=0.0, fused=device.type == "cuda")
+    if state is not None and state.get("optimizer") and len(state["optimizer"]["param_groups"]) == len(groups):
+        opt.load_state_dict(state["optimizer"])
+    total = args.total_steps
+    stages = tuple(tuple(s) for s in json.loads(args.stages)) if args.stages else DEFAULT_STAGES
+    step, first_step = meta["step"], meta["step"]
+    progress = mp.Value("d", 0.0)
+    stream = NaturalClips(tokenizer, args.seed, meta["next_index"], progress, stages, args.batch_windows)
+    loader = DataLoader(stream, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda",
+                        prefetch_factor=4 if args.workers else None)
+    extractor = WhisperFeatureExtractor(feature_size=80)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    log_f = open(run / "train_log.jsonl", "a")
+    session = dict(started_step=meta["step"], args=vars(args), start_time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    n_train = sum(p.numel() for g in groups for p in g["params"])
+    print(f"training {n_train / 1e6:.2f} M parameters (lora rank {lora_rank}) from step {meta['step']} for at most "
+          f"{total} steps or {args.minutes} min on {device}", flush=True)
+    t0 = last_save = time.time()
+    acc, n_acc, data_wait, next_index = defaultdict(float), 0, 0.0, meta["next_index"]
+
+    def save() -> None:
+        meta.update(step=step, next_index=next_index)
+        tmp = run / "state.pt.tmp"
+        torch.save(dict(trainable=trainable_state(model), optimizer=opt.state_dict(), meta=meta), tmp)
+        os.replace(tmp, state_path)
+
+    it = iter(loader)
+    while step - first_step < total and time.time() - t0 < args.minutes * 60:
+        progress.value = max((step - first_step) / total, (time.time() - t0) / (args.minutes * 60))
+        tw = time.time()
+        batch = next(it)
+        data_wait += time.time() - tw
+        next_index = max(next_index, int(batch["next_index"]))
+        lr_scale = lr_at(step - first_step, progress.value, 1.0, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = g["peak"] * lr_scale
+        feats = batch_features(batch["windows"], extractor, device)
+        with autocast:
+            embeds = audio_embeddings(model, feats)
+            x, rows, targets = sequence_batch(model, tokenizer, embeds, batch["n_windows"], batch["answers"])
+            loss, logs = answer_loss(model, x, rows, targets)
+        opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            print(f"step {step}: non-finite loss, skipped", flush=True)
+            continue
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(proj_params + lora_params, 1.0)
+        opt.step()
+        step += 1
+        for k, v in logs.items():
+            acc[k] += v
+        acc["grad_norm"] += float(gnorm)
+        acc["audio_seconds"] += float(sum(batch["n_windows"])) * 30
+        n_acc += 1
+        if step % args.log_every == 0:
+            rec = {k: (v / n_acc if k not in ("answer_tokens", "audio_seconds") else v) for k, v in acc.items()}
+            rec.update(step=step, lr_scale=round(lr_scale, 4), seconds=round(meta["train_seconds"] + time.time() - t0, 1),
+                       clip_seconds=list(stage_at(progress.value, stages)), data_wait=round(data_wait, 1),
+                       lora_rank=lora_rank)
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+            acc.clear()
+            n_acc = 0
+        if time.time() - last_save > args.save_minutes * 60:
+            save()
+            last_save = time.time()
+    meta["train_seconds"] += time.time() - t0
+    session.update(end_step=step, seconds=round(time.time() - t0, 1), data_wait=round(data_wait, 1))
+    meta["sessions"].append(session)
+    save()
+    log_f.close()
+    del it, loader
+
+
+# --- evaluation (plain greedy generate, independent of the engine) -------------------------------------------
+def load_run(run_dir: Path | None, trained_dir: Path | None, device):
+    """The assembled model with a run's trained state (merged LoRA) or a shipped trained folder."""
+    if run_dir is not None:
+        model, tokenizer, _ = assemble(None)
+        state = torch.load(Path(run_dir) / "state.pt", map_location="cpu", weights_only=False)
+        rank = state["meta"].get("lora_rank", 0)
+        if rank:
+            lora.attach(model.model.language_model, rank, float(state["trainable"]["lora_meta"]["alpha"]))
+        load_trainable(model, state["trainable"], rank, 0.0)
+        lora.merge(model.model.language_model)
+    else:
+        model, tokenizer, _ = assemble(trained_dir or TRAINED_DIR)
+    return model.to(device).eval(), tokenizer
+
+
+@torch.no_grad()
+def greedy_transcribe(model, tokenizer, audios: list[np.ndarray], device, caps: list[int], batch_size: int = 16):
+    """Greedy `generate()` transcripts and whether each ended with `<|im_end|>`; clips with the same number of
+    30 s windows share a prompt length, so they are batched without padding."""
+    from transformers import WhisperFeatureExtractor
+
+    from wnw_exp.backbones.audio_windows import windowed_features
+
+    fe = WhisperFeatureExtractor(feature_size=80)
+    eos = model.generation_config.eos_token_id
+    feats = [windowed_features(a, fe, device) for a in audios]
+    out = [None] * len(audios)
+    groups = defaultdict(list)
+    for i, f in enumerate(feats):
+        groups[f.shape[0]].append(i)
+    for nw, idx in sorted(groups.items()):
+        prompt = chat_prompt_ids(tokenizer, model.config.audio_token_id, nw * TOKENS_PER_WINDOW)
+        for b in range(0, len(idx), batch_size):
+            part = idx[b:b + batch_size]
+            ids = torch.tensor([prompt] * len(part), device=device)
+            gen = model.generate(input_ids=ids, input_features=torch.cat([feats[i] for i in part]).to(model.dtype),
+                                 attention_mask=torch.ones_like(ids), max_new_tokens=max(caps[i] for i in part),
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            for row, i in zip(gen[:, ids.shape[1]:].tolist(), part):
+                row = row[: caps[i]]
+                ended = eos in row
+                row = row[: row.index(eos)] if ended else row
+                out[i] = (tokenizer.decode(row, skip_special_tokens=True).strip(), ended)
+    return out
+
+
+def evaluate(model, tokenizer, device, n: int, split: str, min_seconds: float, max_seconds: float) -> dict:
+    from wnw_exp.data.synthetic import SyntheticDataset
+    from wnw_exp.engine.decode import max_new_tokens_for
+    from wnw_exp.metrics.text import corpus_wer
+
+    t0 = time.time()
+    ds = SyntheticDataset(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text="natural")
+    samples = list(ds)
+    audios = [s.audio() for s in samples]
+    t_synth = time.time() - t0
+    caps = [max_new_tokens_for(len(a) / SAMPLE_RATE, 5.0, 24) for a in audios]
+    res = greedy_transcribe(model, tokenizer, audios, device, caps)
+    pairs = [(s.reference, h) for s, (h, _) in zip(samples, res)]
+    return dict(split=split, n=n, clip_seconds=[min_seconds, max_seconds], wer=round(corpus_wer(pairs), 3),
+                terminated=sum(e for _, e in res), synth_s=round(t_synth, 1), decode_s=round(time.time() - t0 - t_synth, 1),
+                predictions=[dict(id=s.id, reference=s.reference, hypothesis=h, terminated=e)
+                             for s, (h, e) in zip(samples, res)])
+
+
+def eval_cmd(args: argparse.Namespace) -> None:
+    device = _device(args.device)
+    model, tokenizer = load_run(Path(args.run_dir) if args.run_dir else None,
+                                Path(args.trained_dir) if args.trained_dir else None, device)
+    res = evaluate(model, tokenizer, device, args.n, args.split, args.min_seconds, args.max_seconds)
+    summary = {k: v for k, v in res.items() if k != "predictions"}
+    if args.run_dir:
+        summary["step"] = torch.load(Path(args.run_dir) / "state.pt", map_location="cpu", weights_only=False)["meta"]["step"]
+        with open(Path(args.run_dir) / "eval_log.jsonl", "a") as f:
+            f.write(json.dumps(summary) + "\n")
+    if args.predictions:
+        Path(args.predictions).write_text("".join(json.dumps(p) + "\n" for p in res["predictions"]))
+    print("eval", json.dumps(summary), flush=True)
+
+
+def export(args: argparse.Namespace) -> None:
+    """Write the run's projector (and LoRA) and its training record into a trained folder."""
+    from safetensors.torch import save_file
+
+    run, out = Path(args.run_dir), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = torch.load(run / "state.pt", map_location="cpu", weights_only=False)
+    tr = state["trainable"]
+    save_file({k: v.contiguous() for k, v in tr["projector"].items()}, str(out / "projector.safetensors"))
+    if tr["lora"]:
+        save_file(tr["lora"], str(out / "lora.safetensors"), metadata=tr["lora_meta"])
+    elif (out / "lora.safetensors").exists():
+        (out / "lora.safetensors").unlink()
+    meta = {k: v for k, v in state["meta"].items()}
+    (out / "training_meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    for name in ("train_log.jsonl", "eval_log.jsonl"):
+        if (run / name).exists():
+            (out / name).write_bytes((run / name).read_bytes())
+    print(f"exported step {meta['step']} to {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="wnw-train-projector", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--run-dir", required=True)
+    t.add_argument("--minutes", type=float, default=6.0)
+    t.add_argument("--total-steps", type=int, default=2000, help="steps of this session at most")
+    t.add_argument("--batch-windows", type=int, default=32)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--lora-rank", type=int, default=0)
+    t.add_argument("--lora-alpha", type=float, default=32.0)
+    t.add_argument("--lora-lr", type=float, default=2e-4)
+    t.add_argument("--stages", default=None, help="JSON [[fraction, min_s, max_s], ...]")
+    t.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--log-every", type=int, default=20)
+    t.add_argument("--save-minutes", type=float, default=2.0)
+    e = sub.add_parser("eval")
+    e.add_argument("--run-dir", default=None)
+    e.add_argument("--trained-dir", default=None)
+    e.add_argument("--n", type=int, default=20)
+    e.add_argument("--split", default="dev")
+    e.add_argument("--min-seconds", type=float, default=120.0)
+    e.add_argument("--max-seconds", type=float, default=240.0)
+    e.add_argument("--device", default="auto")
+    e.add_argument("--predictions", default=None)
+    x = sub.add_parser("export")
+    x.add_argument("--run-dir", required=True)
+    x.add_argument("--out", default=str(TRAINED_DIR))
+    args = ap.parse_args(argv)
+    {"train": train, "eval": eval_cmd, "export": export}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

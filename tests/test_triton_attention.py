@@ -193,7 +193,7 @@ def test_packed_store_sizes_each_head_on_its_own():
     assert fast.audio_bytes_on_device() == held < 0.38 * full  # (200 + 50 + 20 + 20) / 800 = 0.36 of K, V
 
 
-@pytest.mark.parametrize("method", ["full", "adakv", "arkvale", "wnw"])
+@pytest.mark.parametrize("method", ["full", "adakv", "arkvale", "wnw", "oracle"])
 def test_engine_on_the_packed_store_matches_the_reference_store(method):
     """The whole decode loop with each method's real hooks: the fast store gives the reference's tokens."""
     from pathlib import Path

@@ -316,6 +316,10 @@ class PackedAudioKVStore(StepAccounting):
         self.dense_k[layer].index_copy_(1, self.dense_len, k_new[:, None])
         self.dense_v[layer].index_copy_(1, self.dense_len, v_new[:, None])
 
+    def dense_keys(self, layer: int) -> torch.Tensor:
+        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
+        return self.dense_k[layer, :, : self._dense_n]
+
     def attend_device(self, layer: int, q: torch.Tensor, scale: float, observe: torch.Tensor | None = None,
                       probs_out: torch.Tensor | None = None) -> torch.Tensor:
         """Kernel call over the state as it is (dense_len already counts the new token). Graph-safe."""

@@ -55,6 +55,9 @@ class StepAccounting:
             n += fn(int(r) // self.n_kv_heads, int(r) % self.n_kv_heads, torch.from_numpy(np.sort(pos[rows == r])))
         return n
 
+    def flush(self) -> None:
+        """Apply queued moves now. The reference store applies every move at once: nothing is queued."""
+
     def end_step(self) -> StepRecord:
         rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)
         self.steps.append(rec)
@@ -179,6 +182,10 @@ class AudioKVStore(StepAccounting):
         if n:
             t.gpu_pos, t.gpu_k, t.gpu_v = t.gpu_pos[keep], t.gpu_k[keep].contiguous(), t.gpu_v[keep].contiguous()
         return n
+
+    def dense_keys(self, layer: int) -> torch.Tensor:
+        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
+        return self.dense_k[layer][:, : self.dense_len[layer]]
 
     # --- attention ----------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,

@@ -102,7 +102,7 @@ def keep_ratio(retention: float, n_layers: int, n_pool: int, window: int) -> flo
 @dataclass(eq=False)
 class AffPool(Policy):
     name = "affpool"
-    merges_tokens = True  # the layers' audio spans shrink: the reference store handles that
+    packed_store = False  # the layers' audio spans shrink: the reference store handles that
 
     window: int = 3  # longest run merged into one token by one pooling step
     tail_layers: int = 3  # last layers with window 1 (no merging), for a model `reference_layers` deep

@@ -51,7 +51,7 @@ class Policy:
     """Full cache: keeps every audio position on the device and never moves anything."""
 
     name = "full"
-    merges_tokens = False  # True for methods that shorten the audio at prefill (AffPool)
+    packed_store = True  # False: the method needs the reference store (it merges tokens, or moves anything anytime)
     recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
 
     def check(self, retention: float) -> None:
@@ -78,6 +78,9 @@ class Policy:
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         """At decode, after attention of `layer`: (len(observe_heads(layer)), n_audio) softmax weights."""
+
+    def after_prefill(self) -> None:
+        """After every layer's `place` (and the store's compaction): decisions in force at decode step 0."""
 
     def after_step(self, step: int) -> None:
         """After all layers of decode step `step`: decisions for the next step."""

@@ -1,0 +1,107 @@
+"""Oracle: the upper bound of any audio-KV eviction policy at r_GPU = r. Not deployable.
+
+At every decode step, before a layer's attention (`before_attention`, the step's query in hand), each KV head
+computes that step's true attention over its whole audio (softmax of q.k / sqrt(d) over the dense keys and
+every audio key, summed over the head's GQA group of query heads) and keeps on the device only its own top
+round(r * n_audio) audio positions (`granularity: token`), or its top round(r * n_blocks) blocks of
+`chunk_seconds` (`granularity: chunk`, non-overlapping blocks of ceil(chunk_seconds * r_tok) tokens ranked
+by the attention mass they hold). The attention of that step then runs on exactly those positions, so r_GPU
+is r at every step (per block for the chunk variant, up to the short last block).
+
+To know the true attention it needs every audio key at every step: it keeps its own copy of them beside the
+store and a host mirror of all audio (r_GPU+CPU = 1). The moves it makes each step are counted as host-to-
+device traffic like any recall; they say nothing about a real system. The new token's own key (appended by
+the attention itself) is left out of the ranking's softmax, a single key among hundreds. Each head's region
+keeps room for all its audio; a step's releases are applied (`store.flush`) before its recalls, so the
+resident count never exceeds what the head keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from wnw_exp.methods import register
+from wnw_exp.methods.base import Policy, PrefillScores
+
+GRANULARITIES = ("token", "chunk")
+
+
+@register
+@dataclass(eq=False)
+class Oracle(Policy):
+    name = "oracle"
+
+    granularity: str = "token"
+    chunk_seconds: float = 4.0
+    backbone_info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"method.granularity={self.granularity!r}: choose one of {', '.join(GRANULARITIES)}")
+        if self.chunk_seconds <= 0:
+            raise ValueError("method.chunk_seconds must be > 0")
+
+    def start(self, ctx, store) -> None:
+        super().start(ctx, store)
+        n = ctx.n_audio
+        self.block = 1 if self.granularity == "token" else max(1, math.ceil(self.chunk_seconds * ctx.token_rate - 1e-9))
+        self.n_blocks = math.ceil(n / self.block) if n else 0
+        self.k_blocks = min(self.n_blocks, round(ctx.retention * self.n_blocks))
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_audio, D) every audio key after RoPE
+        self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_audio) bool
+        self.scale = ctx.head_dim ** -0.5
+        self.recall_headroom = n  # any head may hold any of its positions (its region keeps them all)
+
+    def place(self, layer: int, scores: PrefillScores) -> None:
+        if self.k_blocks >= self.n_blocks:
+            return  # r = 1: everything stays, nothing moves
+        keys = scores.audio_keys
+        if keys.shape[1] != self.ctx.n_audio:
+            raise ValueError("the oracle ranks the prompt's audio tokens; it cannot follow a merging method")
+        self.keys[layer] = keys.clone()
+        everything = torch.arange(self.ctx.n_audio)
+        for head in range(self.ctx.n_kv_heads):
+            self.store.set_tiers(layer, head, everything, everything)  # all resident, all mirrored on the host
+        self.resident[layer] = torch.ones(self.ctx.n_kv_heads, self.ctx.n_audio, dtype=torch.bool)
+
+    def true_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """(H_kv, n_audio): the step's softmax weights at the audio positions, summed over each GQA group."""
+        H, g = self.ctx.n_kv_heads, self.ctx.group
+        qg = q.view(H, g, -1).float()
+        s_audio = torch.einsum("hgd,hnd->hgn", qg, self.keys[layer].float()) * self.scale
+        s_dense = torch.einsum("hgd,hnd->hgn", qg, self.store.dense_keys(layer).float()) * self.scale
+        lse = torch.logsumexp(torch.cat([s_dense, s_audio], dim=-1), dim=-1, keepdim=True)
+        return torch.exp(s_audio - lse).sum(dim=1)
+
+    def keep_mask(self, attention: torch.Tensor) -> torch.Tensor:
+        """(H_kv, n_audio) bool: each head's top k_blocks blocks by attention mass (ties: the earlier block)."""
+        H, n = attention.shape
+        pad = self.n_blocks * self.block - n
+        mass = torch.cat([attention, attention.new_zeros(H, pad)], dim=1).view(H, self.n_blocks, self.block).sum(-1)
+        top = torch.sort(mass, dim=-1, descending=True, stable=True).indices[:, : self.k_blocks]
+        keep_blocks = torch.zeros(H, self.n_blocks, dtype=torch.bool, device=attention.device)
+        keep_blocks.scatter_(1, top, True)
+        return keep_blocks.repeat_interleave(self.block, dim=1)[:, :n].cpu()
+
+    def before_attention(self, layer: int, q: torch.Tensor) -> None:
+        if layer not in self.keys:
+            return
+        keep = self.keep_mask(self.true_attention(layer, q))
+        resident = self.resident[layer]
+        first_row = layer * self.ctx.n_kv_heads
+        heads, pos = np.nonzero((resident & ~keep).numpy())
+        if len(pos):
+            self.store.release_rows(heads + first_row, pos)
+            self.store.flush()  # the room the releases free is what the recalls fill
+        heads, pos = np.nonzero((keep & ~resident).numpy())
+        if len(pos):
+            self.store.recall_rows(heads + first_row, pos)
+        self.resident[layer] = keep
+
+    def knobs(self) -> dict:
+        return dict(granularity=self.granularity, block_tokens=self.block, kept_blocks=self.k_blocks,
+                    n_blocks=self.n_blocks)

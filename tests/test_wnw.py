@@ -172,12 +172,13 @@ def test_chunk_grid():
 
 
 # --- the chunk swap, step by step ------------------------------------------------------------------
-def make_policy(n_audio=100, delta=3):
+def make_policy(n_audio=100, delta=3, swap_start="decode"):
     """2 layers x 2 KV heads (g=2): (0,0) anchor, (1,1) tidal, (0,1) fixed, (1,0) fixed; segments of 10
-    tokens (stride 0.8 s at 12.5 tokens/s), chunks of 20 (1.6 s), top-1 chunk."""
+    tokens (stride 0.8 s at 12.5 tokens/s), chunks of 20 (1.6 s), top-1 chunk. The swap's steps are driven
+    by hand (`swap_start="decode"`: no decision from the prompt's last row)."""
     vs = np.array([[1.0, 0.2], [0.1, 0.5]])
     policy = WnW(scores=scores_for(vs, np.ones((2, 2))), n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6,
-                 stride_seconds=0.8, top_k=1, delta=delta)
+                 stride_seconds=0.8, top_k=1, delta=delta, swap_start=swap_start)
     ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=n_audio,
                         retention=0.3, device=torch.device("cpu"))
     store = AudioKVStore(2, 2, 4, n_audio, torch.device("cpu"), torch.float32, dense_capacity=16)
@@ -275,7 +276,8 @@ def test_all_voice_heads_with_large_lambda_is_full_cache():
     for a, b in zip(ours.logits, full.logits):
         assert torch.equal(a, b)
     assert ours.store_summary["r_gpu"] == 1.0 and ours.store_summary["mb_per_step"] == 0
-    assert len(wnw._trace["selected_chunks"]) == 31  # the swap ran, with nothing to move
+    # the swap ran, with nothing to move: once from the prompt's last row, then after each of the 31 decode steps
+    assert len(wnw._trace["selected_chunks"]) == 1 + 31
 
 
 def test_wnw_meets_the_prefill_target_on_a_tiny_model():
@@ -336,3 +338,73 @@ def test_mismatched_head_scores_are_refused(tmp_path):
     ok = build_policy(dict(name="wnw", head_scores=str(path)),
                       dict(name="voxtral", n_layers=2, n_q_heads=6, n_kv_heads=3, head_dim=4, token_rate=12.5))
     assert ok.scores.voice_score.tolist() == VS.tolist()
+
+
+# --- the per-segment quota: floor (§2.3) and spread -------------------------------------------------------
+def test_segment_quotas_floor_and_spread():
+    # retention 0.03 of 25-token segments: the floor keeps nothing; spread keeps floor(0.03 * 100) = 3
+    assert triage.segment_quotas(0.03, 100, 25, "floor").tolist() == [0, 0, 0, 0]
+    assert triage.segment_quotas(0.03, 100, 25, "spread").tolist() == [0, 1, 1, 1]  # floor(.03 * 25k) steps
+    assert triage.kept_per_head(0.03, 100, 25, quota="floor") == 0
+    assert triage.kept_per_head(0.03, 100, 25, quota="spread") == 3
+    # a short last segment and a fraction above 1/n_s: every segment gets floor or ceil of ret * n_s
+    q = triage.segment_quotas(0.3, 110, 25, "spread")
+    assert q.sum() == 33 and set(q[:-1].tolist()) <= {7, 8} and q.tolist() == [7, 8, 7, 8, 3]
+    assert triage.segment_quotas(0.3, 110, 25, "floor").tolist() == [7, 7, 7, 7, 3]
+    scores = torch.arange(100.0).flip(0)  # earlier positions score higher
+    keep = triage.select_positions(scores, 0.03, 25, "segment", "spread")
+    assert keep.tolist() == [25, 50, 75]  # the best of segments 1, 2, 3
+    assert len(triage.select_positions(scores, 0.03, 25, "segment", "floor")) == 0
+    assert triage.select_positions(scores, 0.03, 25, "global", "spread").tolist() == [0, 1, 2]
+
+
+def test_lambda_solver_counts_the_spread_quota():
+    s = np.array([[1.0, 0.5, 0.01, 0.02]])
+    roles = np.array([[triage.ANCHOR, triage.FIXED, triage.FIXED, triage.FIXED]], dtype=object)
+    s_tilde = triage.normalised_scores(s, roles)
+    for quota in triage.QUOTAS:
+        sol = triage.solve_lambda(s_tilde, roles, 1000, 25, 0.3, quota=quota)
+        ret = triage.retentions(s_tilde, roles, sol.lam)
+        kept = 1000 + sum(triage.kept_per_head(float(r), 1000, 25, quota=quota) for r in ret[0, 1:])
+        assert sol.r_gpu == pytest.approx(kept / 4000)
+        assert abs(sol.r_gpu - 0.3) < 0.005
+    # the low-score heads: under the floor they keep nothing, under spread their share of the audio
+    sol = triage.solve_lambda(s_tilde, roles, 1000, 25, 0.3, quota="spread")
+    ret = triage.retentions(s_tilde, roles, sol.lam)
+    assert triage.kept_per_head(float(ret[0, 2]), 1000, 25, quota="floor") == 0
+    assert triage.kept_per_head(float(ret[0, 2]), 1000, 25, quota="spread") > 0
+
+
+# --- the swap's first decision: the prompt's last row ------------------------------------------------------
+def test_swap_starts_from_the_anchor_attention_of_the_prompts_last_row():
+    """The first selection equals the top-k chunks of the anchors' last-row attention that transformers' own
+    forward pass reports (eager attention, output_attentions), and it is in force at decode step 0."""
+    backbone = tiny_voxtral()
+    backbone.eos_token_ids = [-1]
+    prompt = backbone.build_prompt(noise_audio(20.0))
+    vs = np.random.RandomState(3).rand(backbone.n_layers, backbone.n_kv_heads)
+    scores = scores_for(vs, np.ones_like(vs), n_q_heads=backbone.n_q_heads)
+    runs = {}
+    for start in ("prefill", "decode"):
+        wnw = WnW(scores=scores, n_voice=6, n_anchor=2, lam=0.3, swap_start=start, backbone_info=backbone.describe())
+        res = generate(backbone, prompt, wnw, retention=0.2, max_new_tokens=4, keep_logits=True)
+        runs[start] = (wnw, res)
+    wnw, res = runs["prefill"]
+    backbone.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = backbone.model(input_ids=prompt.input_ids, output_attentions=True, **prompt.audio_inputs)
+    finally:
+        backbone.model.set_attn_implementation("sdpa")
+    s, e = prompt.audio_span
+    a = sum(out.attentions[li][0, wnw.anchor_q[li], -1, s:e].sum(0) for li in range(backbone.n_layers))
+    ref = triage.ChunkSwap(prompt.n_audio, wnw.n_s, wnw.n_c, wnw.top_k, wnw.delta).select(a)
+    trace = res.trace["wnw"]
+    assert trace["selected_chunks"][0] == ref
+    assert len(trace["selected_chunks"]) == len(res.tokens)  # the prefill decision, then one per decode step
+    wnw_d, res_d = runs["decode"]
+    assert len(wnw_d._trace["selected_chunks"]) == len(res_d.tokens) - 1
+    # the first token comes from prefill in both; decode step 0 (the second token's logits) already attends to
+    # the recalled segments only when the swap starts from the prompt's last row
+    assert torch.equal(res.logits[0], res_d.logits[0])
+    assert not torch.equal(res.logits[1], res_d.logits[1])

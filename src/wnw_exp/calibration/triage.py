@@ -19,7 +19,9 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
   matches the target. `peak_recalled_segments`: the most a head can hold at once on a store with lazy
   releases (sizes the packed store's recall room).
 - `select_positions`: per-segment top-floor(retention * n_s) (default) or one global top-k with the same
-  total (ablation A2).
+  total (ablation A2). `quota="spread"` keeps the same fractional budget but hands the remainders out
+  over the segments (segment [a, b) keeps floor(ret * b) - floor(ret * a)), so a head with
+  retention < 1 / n_s still keeps floor(ret * n_audio) positions instead of none.
 - `segment_bounds` / `chunk_bounds`: the segment and chunk grid of §2.3.
 """
 
@@ -35,6 +37,7 @@ import torch
 ANCHOR, TIDAL, FIXED = "anchor", "tidal", "fixed"
 SIGNALS = ("vs_hs", "vs", "hs")
 SELECTIONS = ("segment", "global")
+QUOTAS = ("floor", "spread")
 
 # §3.4: n_voice per target r_GPU. Voxtral (240 KV heads) 90/50/30/30 and Qwen2.5-Omni (72) 27/15/9/9
 # are the same fractions of the model's KV heads, so one table serves every model.
@@ -132,19 +135,35 @@ def chunk_bounds(n_audio: int, n_c: int, n_s: int) -> list[tuple[int, int]]:
         start += n_s
 
 
-def kept_per_head(ret: float, n_audio: int, n_s: int, retention_one_keeps_all: bool = True) -> int:
-    """Audio positions a non-anchor head keeps at prefill: sum over segments of floor(ret * length)."""
+def kept_per_head(ret: float, n_audio: int, n_s: int, retention_one_keeps_all: bool = True,
+                  quota: str = "floor") -> int:
+    """Audio positions a non-anchor head keeps at prefill: sum over segments of floor(ret * length)
+    (`quota="floor"`, §2.3), or floor(ret * n_audio) with the remainders spread (`quota="spread"`)."""
     if retention_one_keeps_all and ret >= 1.0:
         return n_audio
+    if quota == "spread":
+        return math.floor(ret * n_audio + _EPS)
     full, rest = divmod(n_audio, n_s)
     return full * math.floor(ret * n_s + _EPS) + math.floor(ret * rest + _EPS)
 
 
-def prefill_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int) -> float:
+def segment_quotas(ret: float, n_audio: int, n_s: int, quota: str = "floor") -> np.ndarray:
+    """Positions each segment keeps: floor(ret * length) (`floor`), or floor(ret * end) - floor(ret * start)
+    (`spread`: the same fractional budget, the remainders handed to every 1/frac-th segment)."""
+    if quota not in QUOTAS:
+        raise ValueError(f"unknown quota {quota!r}; choose one of {', '.join(QUOTAS)}")
+    bounds = np.array(segment_bounds(n_audio, n_s), np.int64).reshape(-1, 2)
+    if quota == "spread":
+        cum = np.floor(ret * bounds + _EPS).astype(np.int64)
+        return cum[:, 1] - cum[:, 0]
+    return np.floor(ret * (bounds[:, 1] - bounds[:, 0]) + _EPS).astype(np.int64)
+
+
+def prefill_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, quota: str = "floor") -> float:
     """On-device audio fraction after prefill (§3.4's r_GPU before any recall)."""
     if n_audio == 0:
         return 1.0
-    kept = sum(n_audio if role == ANCHOR else kept_per_head(float(r), n_audio, n_s)
+    kept = sum(n_audio if role == ANCHOR else kept_per_head(float(r), n_audio, n_s, quota=quota)
                for r, role in zip(np.ravel(ret), np.ravel(roles)))
     return kept / (np.size(roles) * n_audio)
 
@@ -221,7 +240,8 @@ class LambdaSolution:
     saturated: bool  # every non-anchor head at retention 1
 
 
-def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, resident_fraction: float = 0.0) -> float:
+def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, resident_fraction: float = 0.0,
+                   quota: str = "floor") -> float:
     """Prefill r_GPU plus the expected decode-time recall (§3.4's r_GPU is the mean over decode steps).
 
     `resident_fraction`: the expected share of the segments that are recalled at a step
@@ -231,16 +251,17 @@ def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, r
     of them on the device on average (exact per segment for the per-segment selection, whose full
     segments all miss the same count). 0: the prefill footprint alone.
     """
-    r = prefill_r_gpu(ret, roles, n_audio, n_s)
+    r = prefill_r_gpu(ret, roles, n_audio, n_s, quota)
     if resident_fraction and n_audio:
-        missing = sum(n_audio - kept_per_head(float(x), n_audio, n_s)
+        missing = sum(n_audio - kept_per_head(float(x), n_audio, n_s, quota=quota)
                       for x, role in zip(np.ravel(ret), np.ravel(roles)) if role == TIDAL)
         r += resident_fraction * missing / (np.size(roles) * n_audio)
     return r
 
 
 def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, target: float,
-                 tolerance: float = 0.005, iterations: int = 100, resident_fraction: float = 0.0) -> LambdaSolution:
+                 tolerance: float = 0.005, iterations: int = 100, resident_fraction: float = 0.0,
+                 quota: str = "floor") -> LambdaSolution:
     """lambda such that the realised prefill r_GPU plus the expected recall (`expected_r_gpu` with
     `resident_fraction`) is as close to `target` as the floors allow.
 
@@ -257,10 +278,10 @@ def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int,
     lam_max = 1.0 / positive.min() if positive.size else 1.0
 
     def r(lam: float) -> float:
-        return expected_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, resident_fraction)
+        return expected_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, resident_fraction, quota)
 
     r_low, r_high = r(0.0), r(lam_max)
-    anchors_alone = prefill_r_gpu(retentions(s_tilde, roles, 0.0), roles, n_audio, n_s)
+    anchors_alone = prefill_r_gpu(retentions(s_tilde, roles, 0.0), roles, n_audio, n_s, quota)
     if anchors_alone > target + tolerance:
         n_anchor = int((roles == ANCHOR).sum())
         raise TriageError(f"the {n_anchor} anchor heads alone keep r_GPU = {anchors_alone:.3f} on the device, above "
@@ -288,12 +309,13 @@ def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int,
     return LambdaSolution(lam, got, bool(np.all(retentions(s_tilde, roles, lam)[others] >= 1.0)))
 
 
-def select_positions(scores: torch.Tensor, ret: float, n_s: int, selection: str = "segment") -> torch.Tensor:
+def select_positions(scores: torch.Tensor, ret: float, n_s: int, selection: str = "segment",
+                     quota: str = "floor") -> torch.Tensor:
     """Audio positions (sorted, long) a non-anchor head keeps at prefill.
 
-    `segment`: within each n_s-token segment the top floor(ret * length) by score (uniform coverage);
-    `global`: the top-k over the whole head with k the same total (ablation A2). Ties keep the earlier
-    position.
+    `segment`: within each n_s-token segment its quota (`segment_quotas`) of top positions by score
+    (uniform coverage); `global`: the top-k over the whole head with k the same total (ablation A2). Ties
+    keep the earlier position.
     """
     n = scores.shape[0]
     if selection not in SELECTIONS:
@@ -302,9 +324,11 @@ def select_positions(scores: torch.Tensor, ret: float, n_s: int, selection: str 
         return torch.arange(n, device=scores.device)
     scores = scores.float()
     if selection == "global":
-        k = kept_per_head(ret, n, n_s)
+        k = kept_per_head(ret, n, n_s, quota=quota)
         idx = _stable_topk(scores, k)
         return torch.sort(idx).values
+    if quota == "spread":
+        return _select_by_quota(scores, segment_quotas(ret, n, n_s, quota), n_s)
     full, rest = divmod(n, n_s)
     k_full = math.floor(ret * n_s + _EPS)
     parts = []
@@ -318,6 +342,18 @@ def select_positions(scores: torch.Tensor, ret: float, n_s: int, selection: str 
     if not parts:
         return torch.zeros(0, dtype=torch.long, device=scores.device)
     return torch.sort(torch.cat(parts)).values
+
+
+def _select_by_quota(scores: torch.Tensor, quotas: np.ndarray, n_s: int) -> torch.Tensor:
+    """Within segment i the top quotas[i] positions (ties: the earlier), sorted."""
+    n = scores.shape[0]
+    pad = (-n) % n_s
+    block = torch.cat([scores, scores.new_full((pad,), float("-inf"))]).view(-1, n_s)
+    order = torch.sort(block, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n_s, device=scores.device).expand_as(order).contiguous())
+    keep = rank < torch.as_tensor(quotas, device=scores.device)[:, None]
+    return keep.flatten()[:n].nonzero().flatten()
 
 
 def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -80,6 +80,9 @@ class MismatchRecorder(Policy):
         else:
             self._sum[layer] = p.clone()
 
+    def after_prefill(self) -> None:
+        self.inner.after_prefill()
+
     def after_step(self, step: int) -> None:
         self.inner.after_step(step)
         self._n_steps += 1

@@ -72,7 +72,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
     """Greedy decoding of one prompt with `policy` managing the audio KV.
 
     `store`: "reference" (AudioKVStore), "packed" (PackedAudioKVStore + Triton) or "auto" (packed on CUDA
-    when triton is installed and the method does not merge tokens).
+    when triton is installed and the method runs on it, `policy.packed_store`).
     """
     dev = backbone.device
     n_q, n_kv, d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
@@ -84,7 +84,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
     if store == "auto":
         # The packed store (one buffer, Triton attention, recall on a side stream) is the fast path on
         # CUDA; the reference store is what it is tested against.
-        fast = dev.type == "cuda" and importlib.util.find_spec("triton") and not policy.merges_tokens
+        fast = dev.type == "cuda" and importlib.util.find_spec("triton") and policy.packed_store
         store = "packed" if fast else "reference"
     packed = store == "packed"
     if packed:
@@ -118,6 +118,9 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     if packed:
         store.compact(headroom=policy.recall_headroom)  # frees the dropped rows' memory
+    policy.after_prefill()
+    if packed:
+        store.issue()
     logits = backbone.lm_head(backbone.final_norm(hidden[:, -1:]))[0, -1].float()
     _sync(dev)
     prefill_ms = (time.perf_counter() - t0) * 1e3

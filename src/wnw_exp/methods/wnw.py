@@ -37,6 +37,21 @@ floor(retention * n_s) of each n_s-token segment (`selection: segment`) or one g
 total (`selection: global`, ablation A2). Tidal heads move the rest to the CPU tier, fixed heads drop
 it, anchors keep everything.
 
+`head_scale: flat` replaces s~ by 1 for every non-anchor head (Eq. 1 without the importance), so a fixed
+`lam` is every non-anchor head's share: `n_anchor = n_voice`, `head_scale: flat`, `lam: 0.05` keeps the voice
+heads whole and a static 5% of every other head (a probe of the testbed, not a method).
+
+`quota: floor` (§2.3) gives each segment floor(retention * n_s) positions, so a head with retention < 1/n_s
+keeps none at all; `quota: spread` keeps the same fractional budget, floor(retention * n_audio) per head,
+handing the remainders out over the segments (`triage.segment_quotas`). The lambda solver counts either
+exactly.
+
+The swap's first decision (`swap_start: prefill`, the default) is made from the anchors' attention of the
+prompt's last row, the row that emits the first answer token, so the step that emits the second answer
+token already sees the recalled chunks; `swap_start: decode` makes the first decision after decode step 0
+(the step that emits the second token then sees the prefill subset alone). §2.3 does not say which; the
+prompt's last row is the first answer token's attention, the first decode-time signal there is.
+
 Decode: at each step the anchors' softmax weights at audio positions, summed over every anchor
 (layer, query head) pair, give A_tau (Eq. 2), reset after the step. `after_step` scores each chunk by
 the mean of A over its positions, selects the top `top_k` chunks, and runs the segment state machine,
@@ -64,6 +79,8 @@ from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
 RECALL_BUDGETS = ("expected", "none")
+SWAP_STARTS = ("prefill", "decode")
+HEAD_SCALES = ("importance", "flat")
 DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it per model
 
 
@@ -75,6 +92,7 @@ class WnW(Policy):
                  lam: float | str = "auto", lambda_tolerance: float = 0.005, signal: str = "vs_hs",
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
                  top_k: int = 3, delta: int = 3, recall_budget: str = "expected", mobility: float | str = "auto",
+                 quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance",
                  backbone_info: dict | None = None, scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
         self.scores = scores if scores is not None else resolve_head_scores(head_scores, backbone_info or {})
@@ -84,6 +102,13 @@ class WnW(Policy):
             raise ValueError(f"method.signal={signal!r}: choose one of {', '.join(triage.SIGNALS)}")
         if selection not in triage.SELECTIONS:
             raise ValueError(f"method.selection={selection!r}: choose one of {', '.join(triage.SELECTIONS)}")
+        if quota not in triage.QUOTAS:
+            raise ValueError(f"method.quota={quota!r}: choose one of {', '.join(triage.QUOTAS)}")
+        if swap_start not in SWAP_STARTS:
+            raise ValueError(f"method.swap_start={swap_start!r}: choose one of {', '.join(SWAP_STARTS)}")
+        if head_scale not in HEAD_SCALES:
+            raise ValueError(f"method.head_scale={head_scale!r}: choose one of {', '.join(HEAD_SCALES)}")
+        self.quota, self.swap_start, self.head_scale = quota, swap_start, head_scale
         if top_k < 1 or delta < 1 or chunk_seconds <= 0 or stride_seconds <= 0:
             raise ValueError("method.top_k and method.delta must be >= 1, chunk and stride seconds > 0")
         self.n_voice_cfg, self.n_anchor_cfg, self.lam_cfg = n_voice, n_anchor, lam
@@ -113,6 +138,8 @@ class WnW(Policy):
                 raise triage.TriageError("tidal heads need at least one anchor head to drive the chunk swap: "
                                          "set method.n_anchor >= 1")
             s_tilde = triage.normalised_scores(self.importance, roles)
+            if self.head_scale == "flat":  # every non-anchor head gets retention min(lambda, 1): lambda is the share
+                s_tilde = np.where(roles == triage.ANCHOR, 1.0, np.ones_like(s_tilde))
             self._triage_cache[retention] = (roles, s_tilde, nv, na)
         return self._triage_cache[retention]
 
@@ -149,13 +176,14 @@ class WnW(Policy):
         resident_fraction = self.expected_resident / n_seg
         if self.lam_cfg in (None, "auto"):
             sol = triage.solve_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention, self.tolerance,
-                                      resident_fraction=resident_fraction)
+                                      resident_fraction=resident_fraction, quota=self.quota)
             self.lam = sol.lam
         else:
             self.lam = float(self.lam_cfg)
         self.retention = triage.retentions(s_tilde, self.roles, self.lam)
-        self.prefill_r_gpu = triage.prefill_r_gpu(self.retention, self.roles, n_a, self.n_s)
-        self.expected_r_gpu = triage.expected_r_gpu(self.retention, self.roles, n_a, self.n_s, resident_fraction)
+        self.prefill_r_gpu = triage.prefill_r_gpu(self.retention, self.roles, n_a, self.n_s, self.quota)
+        self.expected_r_gpu = triage.expected_r_gpu(self.retention, self.roles, n_a, self.n_s, resident_fraction,
+                                                    self.quota)
         g = ctx.group
         self.anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(self.roles[li] == triage.ANCHOR) for j in range(g)]
                          for li in range(ctx.n_layers)}
@@ -209,11 +237,16 @@ class WnW(Policy):
         H, g = self.ctx.n_kv_heads, self.ctx.group
         per_head = post.float().sum(dim=1).view(H, g, -1).sum(dim=1)  # (H_kv, n_audio)
         n_a = per_head.shape[-1]
+        if self.swap_start == "prefill" and self.anchor_q.get(layer):
+            # the anchors' attention of the prompt's last row (it emits the first answer token), Eq. (2)
+            last = scores.last_window[:, -1] if scores.last_window is not None else post[:, -1]
+            self.scores_acc += last[self.anchor_q[layer]].float().sum(dim=0)
         for k in range(H):
             role = self.roles[layer, k]
             if role == triage.ANCHOR or self.retention[layer, k] >= 1.0:
                 continue
-            keep = triage.select_positions(per_head[k], float(self.retention[layer, k]), self.n_s, self.selection)
+            keep = triage.select_positions(per_head[k], float(self.retention[layer, k]), self.n_s, self.selection,
+                                           self.quota)
             if role == triage.TIDAL:
                 self.offloaded[(layer, k)] = torch.sort(triage.complement(keep, n_a).cpu()).values
                 self.store.set_tiers(layer, k, keep, self.offloaded[(layer, k)])
@@ -222,6 +255,10 @@ class WnW(Policy):
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         self.scores_acc += probs.sum(dim=0)
+
+    def after_prefill(self) -> None:
+        if self.swap_start == "prefill":
+            self.after_step(-1)  # the first decision, from the prompt's last row, in force at decode step 0
 
     def after_step(self, step: int) -> None:
         if not self.has_anchors:
@@ -266,7 +303,9 @@ class WnW(Policy):
                     recall_budget=self.recall_budget, expected_resident_segments=self.expected_resident,
                     mobility=self.mobility, mobility_source=self.mobility_source, n_voice=self.n_voice, n_anchor=self.n_anchor,
                     n_tidal=len(self.tidal), signal=self.signal, selection=self.selection, n_s=self.n_s,
-                    n_c=self.n_c, top_k=self.top_k, delta=self.delta, head_scores=self.scores.path)
+                    n_c=self.n_c, top_k=self.top_k, delta=self.delta, quota=self.quota, swap_start=self.swap_start,
+                    head_scale=self.head_scale,
+                    head_scores=self.scores.path)
 
     def trace(self) -> dict:
         return dict(wnw=self._trace, roles=self.roles.tolist(), retention=np.round(self.retention, 6).tolist())

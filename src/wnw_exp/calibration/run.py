@@ -32,7 +32,7 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
     with WnW to measure how fast its anchors' attention moves (`measure_swap_mobility`);
     `max_new_tokens(duration_s)` caps them."""
     k = default_k_top(backbone.token_rate) if k_top in (None, "auto") else int(k_top)
-    hits, sens, records, forced = [], [], [], []
+    hits, sens, records, forced, stats = [], [], [], [], []
     n_vs = n_hs = 0
     for sample in tqdm(dataset, desc=f"calibrate {backbone.name}", disable=not progress, unit="sample"):
         if sample.task != "transcribe":
@@ -49,6 +49,7 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
         if res.hit is not None:
             hits.append(res.hit)
         sens.append(res.sensitivity)
+        stats.append(res.attention)
         n_vs += res.n_vs_tokens
         n_hs += res.n_hs_tokens
         rec = dict(id=sample.id, n_answer_tokens=len(answer_ids), n_aligned_words=sum(w is not None for w in words),
@@ -72,7 +73,10 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
         voice_score_q=hit_q,
         calibration=dict(n_samples=len(sens), n_samples_with_aligned_tokens=len(hits), n_vs_tokens=n_vs,
                          n_hs_tokens=n_hs, k_top=k, hs_tokens=hs_tokens, alignment=aligner.describe(),
-                         sample_ids=[r["id"] for r in records]),
+                         sample_ids=[r["id"] for r in records],
+                         # what kind of heads the model has (the mean over samples of `scores.attention_statistics`)
+                         head_attention={name: np.mean([st[name] for st in stats], axis=0).round(6).tolist()
+                                         for name in stats[0]}),
         code_version=code_version(),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )

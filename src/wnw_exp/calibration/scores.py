@@ -105,6 +105,7 @@ class SampleScores:
     n_vs_tokens: int
     n_hs_tokens: int
     seconds: float
+    attention: dict | None = None  # (L, H_kv) head statistics of the answer rows (`attention_statistics`)
 
 
 def gradient_tokens(n_targets: int, hs_tokens: int | None) -> list[int]:
@@ -152,7 +153,7 @@ def score_sample(backbone: Backbone, prompt: Prompt, answer_ids: list[int],
             hidden = backbone.embed_prompt(full).detach().requires_grad_(True)
             pos = backbone.prompt_positions(full)
             cos, sin = backbone.rotary(hidden, pos)
-            keys = []
+            keys, stats = [], []
             for li, layer in enumerate(backbone.layers):
                 attn = layer.self_attn
                 x = layer.input_layernorm(hidden)
@@ -160,6 +161,8 @@ def score_sample(backbone: Backbone, prompt: Prompt, answer_ids: list[int],
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 keys.append(k)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+                with torch.no_grad():
+                    stats.append(attention_statistics(q[0][:, rows], k[0], rows, (s, e), attn.scaling, g))
                 if vs_idx:
                     with torch.no_grad():
                         qa = q[0][:, vs_rows].float()  # (H_q, n_v, D)
@@ -185,7 +188,37 @@ def score_sample(backbone: Backbone, prompt: Prompt, answer_ids: list[int],
         hit=(hits / n_v).numpy() if n_v else None,
         sensitivity=(sens / max(len(chosen), 1)).numpy(),
         n_vs_tokens=n_v, n_hs_tokens=len(chosen), seconds=time.perf_counter() - t0,
+        attention={name: np.stack([st[name] for st in stats]) for name in stats[0]},
     )
+
+
+AUDIO_MASS = 0.9  # the share of a row's audio attention whose covering positions `attention_statistics` counts
+
+
+def attention_statistics(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, span: tuple[int, int], scale: float,
+                         group: int) -> dict[str, np.ndarray]:
+    """What kind of head each KV head is, from the answer rows' full-cache attention (teacher-forced):
+
+    - `first_token`: the mean attention weight on position 0 (the attention sink of a pretrained LM);
+    - `audio`: the mean attention mass on the audio span;
+    - `audio_positions_90`: the fewest audio positions holding 90% of a row's audio mass, as a fraction of the
+      audio, averaged over rows (small: a sparse head a static subset can serve; large: a broad one).
+    q: (H_q, n_rows, D) queries of the rows; k: (H_kv, T, D); means over the rows, then over each KV head's
+    group of query heads; each (H_kv,) float64."""
+    s, e = span
+    kk = k.repeat_interleave(group, dim=0).float()
+    logits = torch.einsum("hrd,htd->hrt", q.float(), kk) * scale
+    logits = logits.masked_fill(torch.arange(k.shape[1], device=k.device)[None, None] > rows[None, :, None],
+                                float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    audio = p[..., s:e]
+    mass = audio.sum(-1, keepdim=True).clamp_min(1e-30)
+    cum = torch.cumsum(torch.sort(audio / mass, dim=-1, descending=True).values, dim=-1)
+    n90 = (cum < AUDIO_MASS).sum(-1).float() + 1  # positions up to and including the one crossing 90%
+    h_kv = k.shape[0]
+    per_kv = lambda x: x.mean(-1).view(h_kv, group).mean(-1).double().cpu().numpy()  # noqa: E731
+    return dict(first_token=per_kv(p[..., 0]), audio=per_kv(mass[..., 0]),
+                audio_positions_90=per_kv(n90 / max(e - s, 1)))
 
 
 def group_mean(per_q_head: np.ndarray, n_kv_heads: int) -> np.ndarray:

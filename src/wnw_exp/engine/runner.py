@@ -1,7 +1,7 @@
 """One run: every sample of a data set through one backbone and one method, into a run directory.
 
 Knows nothing of Hydra: it takes plain dicts. Resumes from predictions.jsonl; a failing sample is recorded
-with its error and the run goes on.
+with its error and the run goes on. metrics.json covers the samples the configuration selects.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import wnw_exp
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.data import build_dataset
 from wnw_exp.engine.decode import generate, max_new_tokens_for
-from wnw_exp.engine.rundir import RunDirLock, aggregate, append_prediction, read_predictions, write_metrics
+from wnw_exp.engine.rundir import (RunDirLock, aggregate, append_prediction, check_identity, identity_record,
+                                   read_predictions, write_identity, write_metrics)
 from wnw_exp.methods import build_policy
 from wnw_exp.metrics import corpus_wer_counts
 
@@ -45,7 +46,11 @@ def environment(device: torch.device) -> dict:
 
 
 def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
-    """Run (or resume) the experiment `cfg` into `run_dir`; returns metrics.json's content."""
+    """Run (or resume) the experiment `cfg` into `run_dir`; returns metrics.json's content.
+
+    metrics.json covers the finished samples that `cfg` selects (predictions of other samples in the
+    directory, e.g. from a run with a larger `dataset.n`, stay valid and are kept).
+    """
     check_config(cfg)
     run_dir = Path(run_dir)
     (run_dir / "trace").mkdir(parents=True, exist_ok=True)
@@ -56,8 +61,20 @@ def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
 def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)
+    identity = identity_record(cfg, str(dtype).removeprefix("torch."))
+    check_identity(run_dir, identity)
     set_cpu_threads(cfg.get("cpu_threads"), device)
     dataset = build_dataset(cfg["dataset"])
+    selected = dataset.ids
+    done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}
+    _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress)
+    metrics = aggregate([done[i] for i in selected if i in done])
+    write_metrics(run_dir, metrics)
+    return metrics
+
+
+def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress) -> None:
+    """Decode the selected samples not in `done`, adding each to `done` once its prediction line is written."""
     torch.manual_seed(cfg["seed"])
     backbone = load_backbone(cfg["model"], device, dtype)
     policy = build_policy(cfg["method"], backbone.describe())
@@ -69,29 +86,27 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     elif cfg.get("analysis") is not None:
         raise ValueError(f"unknown analysis {cfg['analysis']!r}: use analysis=mismatch or leave it null")
     (run_dir / "environment.json").write_text(json.dumps(environment(device), indent=2) + "\n")
+    write_identity(run_dir, identity)  # what the samples below are computed under
 
-    done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}
-    records = []
-    bar = tqdm(total=len(dataset), desc=f"{cfg['model']['name']}/{cfg['method']['name']}", disable=not progress,
-               unit="sample")
-    for sample in dataset:
-        if sample.id in done:
-            records.append(done[sample.id])
-        else:
-            record = _run_sample(sample, backbone, policy, cfg)
+    bar = tqdm(total=len(selected), initial=sum(i in done for i in selected),
+               desc=f"{cfg['model']['name']}/{cfg['method']['name']}", disable=not progress, unit="sample")
+    try:
+        for i, sample_id in enumerate(selected):
+            if sample_id in done:
+                continue
+            record = _run_sample(dataset[i], backbone, policy, cfg)
             trace = record.pop("trace", None)
             if trace is not None:  # the trace first: a sample is done once its prediction line exists
-                (run_dir / "trace" / f"{sample.id}.json").write_text(json.dumps(trace))
+                (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
             append_prediction(run_dir, record)
-            records.append(record)
-        counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in records if r.get("error") is None])
-        bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-",
-                        failed=sum(r.get("error") is not None for r in records))
-        bar.update(1)
-    bar.close()
-    metrics = aggregate(records)
-    write_metrics(run_dir, metrics)
-    return metrics
+            done[sample_id] = record
+            finished = [done[j] for j in selected if j in done]
+            ok = [r for r in finished if r.get("error") is None]
+            counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in ok])
+            bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-", failed=len(finished) - len(ok))
+            bar.update(1)
+    finally:
+        bar.close()
 
 
 def _run_sample(sample, backbone, policy, cfg) -> dict:

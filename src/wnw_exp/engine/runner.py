@@ -13,6 +13,7 @@ import subprocess
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -109,16 +110,42 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
         bar.close()
 
 
+def _check_fits(backbone, seconds: float, per_s: float, minimum: int) -> None:
+    """The backbone's refusal of audio that cannot fit its positions with its answer, naming the real limit.
+
+    The answer's cap grows with the audio, so the longest audio that fits is found by bisection on the
+    backbone's own check.
+    """
+    def fits(s: float) -> bool:
+        try:
+            backbone.check_fits(s, max_new_tokens_for(s, per_s, minimum))
+            return True
+        except ValueError:
+            return False
+
+    if fits(seconds):
+        return
+    lo, hi = 0.0, seconds
+    for _ in range(40):
+        lo, hi = ((lo + hi) / 2, hi) if fits((lo + hi) / 2) else (lo, (lo + hi) / 2)
+    raise ValueError(f"audio of {seconds:.0f} s and its answer need more than the {backbone.max_positions} positions "
+                     f"of {backbone.name}: the limit is about {lo:.0f} s; cut the recording")
+
+
 def _run_sample(sample, backbone, policy, cfg) -> dict:
     duration = sample.duration if sample.duration == sample.duration else None  # NaN: header unreadable
     base = dict(id=sample.id, reference=sample.reference, task=sample.task, duration=duration)
     try:
         per_s, minimum = cfg["model"]["max_new_tokens_per_second"], cfg["model"]["min_new_tokens"]
-        if duration is not None:
-            backbone.check_fits(duration, max_new_tokens_for(duration, per_s, minimum))
+        if duration is not None:  # from the audio header, before anything is decoded
+            _check_fits(backbone, duration, per_s, minimum)
         audio = sample.audio()
         if len(audio) == 0:
             raise ValueError("the audio file holds no samples")
+        not_finite = int(np.count_nonzero(~np.isfinite(audio)))
+        if not_finite:
+            raise ValueError(f"the audio holds {not_finite} NaN or infinite values (of {len(audio)} at 16 kHz): "
+                             "the recording is corrupt")
         prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
         cap = max_new_tokens_for(len(audio) / 16000, per_s, minimum)
         res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap)

@@ -123,6 +123,7 @@ def test_metrics_report_and_console_count_the_samples_the_configuration_selects(
     assert wnw_run(*args, "dataset.n=3", cache=tmp_path / "cache").returncode == 0
     out = wnw_run(*args, "dataset.n=2", cache=tmp_path / "cache")
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 of 2 samples already done" in out.stderr
     (run_dir,) = [p.parent for p in (tmp_path / "runs").rglob("metrics.json")]
     assert len(read_predictions(run_dir)) == 3  # the third sample's prediction stays valid for a later n=3
     metrics = json.loads((run_dir / "metrics.json").read_text())

@@ -1,12 +1,14 @@
 """One run: every sample of a data set through one backbone and one method, into a run directory.
 
 Knows nothing of Hydra: it takes plain dicts. Resumes from predictions.jsonl; a failing sample is recorded
-with its error and the run goes on. metrics.json covers the samples the configuration selects.
+with its error and the run goes on. metrics.json covers the samples the configuration selects. Messages (samples
+already done, failed samples) go to the `wnw_exp.engine.runner` logger: the console and run.log under wnw-run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import platform
 import subprocess
@@ -25,6 +27,8 @@ from wnw_exp.engine.rundir import (RunDirLock, aggregate, append_prediction, che
                                    read_predictions, write_identity, write_metrics)
 from wnw_exp.methods import build_policy
 from wnw_exp.metrics import corpus_wer_counts
+
+log = logging.getLogger(__name__)
 
 
 def check_config(cfg: dict) -> None:
@@ -68,6 +72,9 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     dataset = build_dataset(cfg["dataset"])
     selected = dataset.ids
     done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}
+    n_done = sum(i in done for i in selected)
+    if n_done:
+        log.info(f"{n_done} of {len(selected)} samples already done")
     _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress)
     metrics = aggregate([done[i] for i in selected if i in done])
     write_metrics(run_dir, metrics)
@@ -101,6 +108,8 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
                 (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
             append_prediction(run_dir, record)
             done[sample_id] = record
+            if record["error"] is not None:
+                log.warning(f"sample {sample_id} failed: {record['error']}")
             finished = [done[j] for j in selected if j in done]
             ok = [r for r in finished if r.get("error") is None]
             counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in ok])

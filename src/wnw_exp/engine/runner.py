@@ -1,8 +1,9 @@
 """One run: every sample of a data set through one backbone and one method, into a run directory.
 
 Knows nothing of Hydra: it takes plain dicts. Resumes from predictions.jsonl; a failing sample is recorded
-with its error and the run goes on. metrics.json covers the samples the configuration selects. Messages (samples
-already done, failed samples) go to the `wnw_exp.engine.runner` logger: the console and run.log under wnw-run.
+with its error and the run goes on. SIGINT and SIGTERM abandon the sample being computed, write metrics.json
+for the finished ones and raise `Interrupted`. Messages (samples already done, failed samples, an interruption)
+go to the `wnw_exp.engine.runner` logger: the console and run.log under wnw-run.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import json
 import logging
 import math
 import platform
+import signal
 import subprocess
+import threading
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +33,51 @@ from wnw_exp.methods import build_policy
 from wnw_exp.metrics import corpus_wer_counts
 
 log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run (`signum`); the finished samples are kept."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM (what SLURM sends before a requeue) raise Interrupted wherever the run is, abandoning
+    the sample being computed (it is recomputed on resume); while a finished sample is written (`hold`), a
+    signal only marks the stop, raised once the write is whole. Installed only from the main thread (Python
+    runs signal handlers there), and the previous handlers are put back."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.holding = False
+        self.previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        if not self.holding:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def hold(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.signum is not None:
+            raise Interrupted(self.signum)
 
 
 def check_config(cfg: dict) -> None:
@@ -59,11 +108,11 @@ def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
     check_config(cfg)
     run_dir = Path(run_dir)
     (run_dir / "trace").mkdir(parents=True, exist_ok=True)
-    with RunDirLock(run_dir):
-        return _run_locked(cfg, run_dir, progress)
+    with RunDirLock(run_dir), _StopOnSignal() as stop:
+        return _run_locked(cfg, run_dir, progress, stop)
 
 
-def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
+def _run_locked(cfg: dict, run_dir: Path, progress: bool, stop: _StopOnSignal) -> dict:
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)
     identity = identity_record(cfg, str(dtype).removeprefix("torch."))
@@ -75,13 +124,22 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     n_done = sum(i in done for i in selected)
     if n_done:
         log.info(f"{n_done} of {len(selected)} samples already done")
-    _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress)
-    metrics = aggregate([done[i] for i in selected if i in done])
+    interrupted = None
+    try:
+        _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress, stop)
+    except Interrupted as e:
+        stop.holding = True  # a second signal must not cut metrics.json short
+        interrupted = e
+    records = [done[i] for i in selected if i in done]
+    metrics = aggregate(records)
     write_metrics(run_dir, metrics)
+    if interrupted is not None:
+        log.warning(f"interrupted: {len(records)} of {len(selected)} samples kept; rerun the same command to resume")
+        raise interrupted
     return metrics
 
 
-def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress) -> None:
+def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress, stop) -> None:
     """Decode the selected samples not in `done`, adding each to `done` once its prediction line is written."""
     torch.manual_seed(cfg["seed"])
     backbone = load_backbone(cfg["model"], device, dtype)
@@ -104,10 +162,11 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
                 continue
             record = _run_sample(dataset[i], backbone, policy, cfg)
             trace = record.pop("trace", None)
-            if trace is not None:  # the trace first: a sample is done once its prediction line exists
-                (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
-            append_prediction(run_dir, record)
-            done[sample_id] = record
+            with stop.hold():
+                if trace is not None:  # the trace first: a sample is done once its prediction line exists
+                    (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
+                append_prediction(run_dir, record)
+                done[sample_id] = record
             if record["error"] is not None:
                 log.warning(f"sample {sample_id} failed: {record['error']}")
             finished = [done[j] for j in selected if j in done]

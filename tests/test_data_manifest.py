@@ -92,3 +92,59 @@ def test_longspeech_missing_path(monkeypatch):
     monkeypatch.delenv("WNW_LONGSPEECH_EN2FR", raising=False)
     with pytest.raises(ValueError, match="WNW_LONGSPEECH_EN2FR"):
         build_dataset({"name": "longspeech_en2fr", "path": None})
+
+
+@pytest.mark.parametrize("given,task", [("asr", "transcribe"), ("Transcription", "transcribe"), ("ast", "translate"),
+                                        ("st", "translate"), ("translation", "translate")])
+def test_task_aliases(tmp_path, given, task):
+    write_clip(tmp_path / "a.wav", 0.5)
+    (tmp_path / "m.jsonl").write_text(json.dumps({"audio": "a.wav", "reference": "x", "task": given}) + "\n")
+    assert manifest(tmp_path / "m.jsonl")[0].task == task
+    assert manifest(tmp_path / "m.jsonl", task=given)[0].task == task  # dataset.task takes them too
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"audio": "a.wav", "reference": "x", "task": "summarise"}) + "\n")
+    with pytest.raises(ValueError, match="record 1: task must be transcribe .* got 'summarise'"):
+        manifest(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("reference", ["", "   "])
+def test_an_empty_reference_is_named_as_such(tmp_path, reference):
+    (tmp_path / "m.jsonl").write_text(json.dumps({"audio": "a.wav", "text": reference}) + "\n")
+    with pytest.raises(ValueError, match="m.jsonl record 1: the 'text' field is empty"):
+        manifest(tmp_path / "m.jsonl")
+
+
+def test_the_audio_header_decides_the_duration_not_the_manifest(tmp_path):
+    write_clip(tmp_path / "a.wav", 2.0)
+    (tmp_path / "m.jsonl").write_text(json.dumps({"audio": "a.wav", "reference": "x", "duration": 5}) + "\n")
+    assert manifest(tmp_path / "m.jsonl")[0].duration == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("text,line,message", [
+    ('[{"audio": "a.wav", "reference": "x"}, {"audio": "b.wav", "reference": "y"}]\n', 1, "a JSON array"),
+    ('[\n  {"audio": "a.wav", "reference": "x"}\n]\n', 1, "a JSON array"),  # indented
+    ('{"audio": "a.wav", "reference": "x"}\n"b.wav"\n', 2, "'\"b.wav\"', not a JSON object"),
+])
+def test_json_that_is_not_jsonl_names_the_file_and_line(tmp_path, text, line, message):
+    (tmp_path / "m.jsonl").write_text(text)
+    with pytest.raises(ValueError) as e:
+        manifest(tmp_path / "m.jsonl")
+    assert str(e.value).startswith(f"{tmp_path / 'm.jsonl'}:{line}: ") and message in str(e.value)
+    assert "one JSON object per line" in str(e.value)
+
+
+@pytest.mark.parametrize("name,line", [("m.jsonl", 2), ("m.csv", 3)])
+def test_a_manifest_that_is_not_utf8_names_the_file_and_line(tmp_path, name, line):
+    rows = ('{"audio": "a.wav", "reference": "x"}\n{"audio": "b.wav", "reference": "caf\xe9"}\n' if name.endswith("l")
+            else "audio,reference\na.wav,x\nb.wav,caf\xe9\n")
+    (tmp_path / name).write_bytes(rows.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{name}:{line}: not UTF-8 text \(byte 0xe9 at column \d+\): save the manifest "
+                                         "as UTF-8"):
+        manifest(tmp_path / name)
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + rows.encode("utf-8"))  # UTF-8 with a BOM is fine
+    assert [s.reference for s in manifest(tmp_path / name)] == ["x", "café"]
+
+
+def test_an_empty_manifest_is_refused(tmp_path):
+    (tmp_path / "m.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="m.jsonl holds no records"):
+        manifest(tmp_path / "m.jsonl")

@@ -108,10 +108,11 @@ def test_multirun_sweep_2x2(tmp_path):
            "method=full", "retention=0.2,0.6", "seed=0,1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    metrics = sorted(p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").rglob("metrics.json"))
+    metrics = sorted(p.relative_to(tmp_path / "runs").parent for p in (tmp_path / "runs").rglob("metrics.json"))
     extra = "dataset.max_seconds=5,dataset.min_seconds=3"  # overrides beyond the path's own keys
-    assert metrics == [f"tiny_random/synthetic-test/full/r{r}/{extra},seed={s}/metrics.json"
-                       for r in ("0.2", "0.6") for s in (0, 1)]
+    assert [d.parent.as_posix() for d in metrics] == [f"tiny_random/synthetic-test/full/r{r}/{extra},seed={s}"
+                                                      for r in ("0.2", "0.6") for s in (0, 1)]
+    assert len({d.name for d in metrics}) == 4 and all(d.name.startswith("cfg-") for d in metrics)
 
 
 def test_same_config_and_seed_give_byte_identical_predictions(tmp_path):

@@ -2,31 +2,85 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 # The config groups live in the repository's conf/ (the package is installed in editable mode).
 CONFIG_DIR = os.environ.get("WNW_CONF", str(Path(__file__).resolve().parents[3] / "conf"))
 
 
+def fail(message: str) -> None:
+    """Bad input or a bad place to write: one line on stderr, exit code 2."""
+    print(f"wnw-run: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def describe_os_error(e: OSError, where: Path) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on the disk of {where} ({e.strerror}): free some, or set runs_root to another disk; "
+                "finished samples are kept, rerun the same command to resume")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {e.filename or where} ({e.strerror}): set runs_root to a folder you can write"
+    return str(e)
+
+
+class CheckRunsRoot(Callback):
+    """An unwritable or full runs_root gets one line and exit 2 before Hydra creates the run directory there
+    (Hydra would print its own traceback)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(Path(config.runs_root))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(Path(config.runs_root))
+
+    @staticmethod
+    def _check(root: Path) -> None:
+        probe = root / f".wnw-write-probe-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:  # a little more than the .hydra files Hydra writes next
+                f.write(b"\0" * 65536)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            fail(describe_os_error(e, root))
+        finally:
+            probe.unlink(missing_ok=True)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
-    from wnw_exp.engine.runner import run, summary_table
+def run_main(cfg: DictConfig) -> None:
+    from wnw_exp.engine.runner import Interrupted, run, summary_table
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     plain = OmegaConf.to_container(cfg, resolve=True)
     try:
         metrics = run(plain, run_dir, progress=cfg.progress and not os.environ.get("WNW_NO_PROGRESS"))
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        # Bad input (config, weights, data root, a locked run directory): one clear line, no traceback.
-        print(f"wnw-run: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except Interrupted as e:  # metrics.json is written and the line saying so printed
+        sys.exit(128 + e.signum)
+    except OSError as e:
+        # Bad input (weights, data root, manifest) and a run directory that cannot be written (full, read-only)
+        fail(describe_os_error(e, run_dir))
+    except (ValueError, RuntimeError) as e:
+        # Bad input (config, weights, data, a locked run directory or one of another configuration)
+        fail(str(e))
     print(summary_table(plain, metrics, run_dir))
+
+
+def main() -> None:
+    try:
+        run_main()
+    except KeyboardInterrupt:  # Ctrl-C before a run started (while importing, composing the config)
+        print("wnw-run: interrupted before the run started", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

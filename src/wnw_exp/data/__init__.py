@@ -2,7 +2,8 @@
 
 Every data set takes `n` (null = all), `seed` (sub-sampling), `shard`/`num_shards` (sample i of
 the selection goes to shard i % num_shards), and returns an object with `len()`, iteration and
-indexing over Samples, plus `.name` and `.split` for run-directory naming.
+indexing over Samples, `.ids` (the selected samples' ids, without building them), plus `.name` and
+`.split` for run-directory naming. Selecting no sample is an error naming why.
 """
 
 from __future__ import annotations

@@ -19,16 +19,23 @@ def select(items: Sequence[T], n: int | None = None, seed: int = 0, shard: int =
 
     `n` items are drawn without replacement by `numpy.random.default_rng(seed)` (all of them when
     `n` is None or not smaller than the corpus); the same (corpus, n, seed) always gives the same
-    subset. Of those, item i (in corpus order) belongs to shard i % num_shards.
+    subset. Of those, item i (in corpus order) belongs to shard i % num_shards. A selection of nothing
+    is a ValueError naming why: a run of zero samples would only look like a result.
     """
     if not 0 <= shard < num_shards:
-        raise ValueError(f"need 0 <= shard < num_shards, got shard={shard}, num_shards={num_shards}")
-    if n is not None and n < 0:
-        raise ValueError(f"n must be >= 0 or null, got {n}")
+        raise ValueError(f"dataset.shard={shard} is outside 0..{num_shards - 1} (dataset.num_shards={num_shards})")
+    if n is not None and n < 1:
+        raise ValueError(f"dataset.n={n} selects no sample: use n >= 1, or n=null for all")
+    if len(items) == 0:
+        raise ValueError("the data set holds no samples")
     indices = np.arange(len(items))
     if n is not None and n < len(items):
         indices = np.sort(np.random.default_rng(seed).choice(len(items), size=n, replace=False))
-    return [items[i] for i in indices[shard::num_shards]]
+    chosen = [items[i] for i in indices[shard::num_shards]]
+    if not chosen:
+        raise ValueError(f"dataset.shard={shard} selects no sample: {len(indices)} samples make fewer than "
+                         f"dataset.num_shards={num_shards} shards")
+    return chosen
 
 
 @dataclass
@@ -46,6 +53,11 @@ class SampleList:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def ids(self) -> list[str]:
+        """The selected samples' ids, in order, without building the samples."""
+        return [e.id for e in self.entries]
 
     def __getitem__(self, i: int) -> Sample:
         return self.make(self.entries[i])

@@ -61,6 +61,7 @@ import soundfile as sf
 import soxr
 
 from .base import SAMPLE_RATE, Sample, Word
+from .dataset import select
 
 DEFAULT_VOCAB_SIZE = 1000
 DEFAULT_VOICES: dict[str, tuple[str, ...]] = {
@@ -461,7 +462,9 @@ class SyntheticDataset:
         if self.cache is None:
             self.cache = self.split != "train"
         self.cache_dir = Path(self.cache_dir).expanduser() if self.cache_dir else cache_root() / "synthetic"
-        self.indices = list(range(self.shard, self.n, self.num_shards))
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"dataset.n={self.n!r} selects no sample: the synthetic data set needs n >= 1 clips")
+        self.indices = select(range(self.n), None, 0, self.shard, self.num_shards)
 
     @property
     def clip_seed(self) -> int:
@@ -470,13 +473,21 @@ class SyntheticDataset:
     def __len__(self) -> int:
         return len(self.indices)
 
+    @property
+    def ids(self) -> list[str]:
+        """The selected clips' ids, in order, without synthesising them."""
+        return [self._id(index) for index in self.indices]
+
+    def _id(self, index: int) -> str:
+        return f"synthetic-{self.split}-{index}"
+
     def __iter__(self) -> Iterator[Sample]:
         return (self[i] for i in range(len(self)))
 
     def __getitem__(self, i: int) -> Sample:
         index = self.indices[i]
         params = self._clip_params(index)
-        sample_id = f"synthetic-{self.split}-{index}"
+        sample_id = self._id(index)
         if not self.cache:
             audio, words = synthesize_clip(**params)
             return self._sample(sample_id, lambda: audio, len(audio) / SAMPLE_RATE, words)

@@ -1,14 +1,21 @@
 """The run directory, the only contract between running and reporting.
 
 predictions.jsonl is appended and flushed per sample; a torn last line (a killed run) is detected and
-dropped so the sample is recomputed; metrics.json is always recomputed from the file.
+dropped so the sample is recomputed; metrics.json is always recomputed from the file, over the samples the
+run's configuration selects (listed in it as `sample_ids`).
+
+A directory holds the results of one *identity*: the resolved config minus NOT_IDENTITY. Its short hash
+ends the directory's name (conf/config.yaml), identity.json stores it readably, and resuming under another
+identity is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 
 from wnw_exp.metrics import corpus_bleu, corpus_wer_counts
@@ -17,9 +24,81 @@ PREDICTIONS = "predictions.jsonl"
 TIMINGS = "timings.jsonl"
 METRICS = "metrics.json"
 LOCK = ".lock"
+IDENTITY = "identity.json"
 # Wall-clock fields differ between two runs of the same config, so they live in timings.jsonl and
 # predictions.jsonl stays byte-identical for a given config and seed on the CPU.
 TIMING_FIELDS = ("ms_per_token", "prefill_ms")
+
+
+# The only config keys that cannot change a sample's prediction, so they are left out of the identity: where
+# the run directory and the synthetic clip cache live (runs_root, dataset.cache_dir, dataset.cache), how the
+# run is shown (progress), where and how fast it computes (device, cpu_threads), and which samples it selects
+# (dataset.n, dataset.shard, dataset.num_shards: a sample's prediction does not depend on the others selected
+# with it). Every other key, present or future, is in the identity. The dtype actually computed in (dtype=auto
+# is bfloat16 on a GPU, float32 on the CPU) is stored and checked next to it, see identity_record.
+NOT_IDENTITY = ("runs_root", "progress", "device", "cpu_threads", "dataset.n", "dataset.shard", "dataset.num_shards",
+                "dataset.cache_dir", "dataset.cache")
+
+
+def identity(cfg: Mapping) -> dict:
+    """The result-affecting part of a resolved config: all of it but NOT_IDENTITY."""
+    out = json.loads(json.dumps(dict(cfg), default=str))
+    for dotted in NOT_IDENTITY:
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def identity_hash(cfg: Mapping) -> str:
+    """8 hex digits of the SHA-256 of the identity: the `cfg-<hash>` that ends a run directory's name."""
+    return hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def identity_record(cfg: Mapping, compute_dtype: str) -> dict:
+    """What identity.json holds: the hash, the identity it hashes, and the dtype the samples are computed in."""
+    return dict(id=identity_hash(cfg), compute_dtype=compute_dtype, config=identity(cfg))
+
+
+def check_identity(run_dir: Path, record: dict) -> None:
+    """Refuse to add samples to a run directory whose predictions were computed under another identity.
+
+    A directory without identity.json (made before it existed) or without predictions accepts any.
+    """
+    path, predictions = Path(run_dir) / IDENTITY, Path(run_dir) / PREDICTIONS
+    if not (path.exists() and predictions.exists() and predictions.stat().st_size > 0):
+        return
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not readable JSON ({e}): restore it, or move the run directory away") from e
+    if stored != record:
+        diffs = _differences({k: v for k, v in stored.items() if k != "id"},
+                             {k: v for k, v in record.items() if k != "id"})
+        more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+        raise ValueError(f"{run_dir} holds samples computed with another configuration ({'; '.join(diffs[:3])}"
+                         f"{more}): resume it with those settings, or give this run its own directory")
+
+
+def write_identity(run_dir: Path, record: dict) -> None:
+    """identity.json: written when a run starts computing samples (atomically, like metrics.json)."""
+    tmp = Path(run_dir) / (IDENTITY + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, Path(run_dir) / IDENTITY)
+
+
+def _differences(stored: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(stored) | set(new)):
+        a, b = stored.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {json.dumps(a)} there, {json.dumps(b)} now")
+    return out
 
 
 def read_predictions(run_dir: Path, repair: bool = False) -> list[dict]:
@@ -107,7 +186,11 @@ def _mean(xs):
 
 
 def aggregate(records: list[dict]) -> dict:
-    """metrics.json from prediction records: corpus WER over the samples that did not fail, etc."""
+    """metrics.json from prediction records: corpus WER over the samples that did not fail, etc.
+
+    `records` are the finished samples the configuration selects; `sample_ids` lists them, so a reader of the
+    run directory counts the same samples even when predictions.jsonl holds more (a run with a larger n).
+    """
     ok = [r for r in records if r.get("error") is None]
     counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in ok if r.get("task") != "translate"])
     translate = [(r["reference"], r["hypothesis"]) for r in ok if r.get("task") == "translate"]
@@ -125,6 +208,7 @@ def aggregate(records: list[dict]) -> dict:
         terminated_rate=_mean(float(r["terminated"]) for r in ok),
         n_samples=len(records),
         n_failed=len(records) - len(ok),
+        sample_ids=[r["id"] for r in records],
     )
 
 

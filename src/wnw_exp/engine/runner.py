@@ -1,18 +1,25 @@
 """One run: every sample of a data set through one backbone and one method, into a run directory.
 
 Knows nothing of Hydra: it takes plain dicts. Resumes from predictions.jsonl; a failing sample is recorded
-with its error and the run goes on.
+with its error and the run goes on. SIGINT and SIGTERM abandon the sample being computed, write metrics.json
+for the finished ones and raise `Interrupted`. Messages (samples already done, failed samples, an interruption)
+go to the `wnw_exp.engine.runner` logger: the console and run.log under wnw-run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import platform
+import signal
 import subprocess
+import threading
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -20,9 +27,57 @@ import wnw_exp
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.data import build_dataset
 from wnw_exp.engine.decode import generate, max_new_tokens_for
-from wnw_exp.engine.rundir import RunDirLock, aggregate, append_prediction, read_predictions, write_metrics
+from wnw_exp.engine.rundir import (RunDirLock, aggregate, append_prediction, check_identity, identity_record,
+                                   read_predictions, write_identity, write_metrics)
 from wnw_exp.methods import build_policy
 from wnw_exp.metrics import corpus_wer_counts
+
+log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run (`signum`); the finished samples are kept."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM (what SLURM sends before a requeue) raise Interrupted wherever the run is, abandoning
+    the sample being computed (it is recomputed on resume); while a finished sample is written (`hold`), a
+    signal only marks the stop, raised once the write is whole. Installed only from the main thread (Python
+    runs signal handlers there), and the previous handlers are put back."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.holding = False
+        self.previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        if not self.holding:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def hold(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.signum is not None:
+            raise Interrupted(self.signum)
 
 
 def check_config(cfg: dict) -> None:
@@ -45,19 +100,47 @@ def environment(device: torch.device) -> dict:
 
 
 def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
-    """Run (or resume) the experiment `cfg` into `run_dir`; returns metrics.json's content."""
+    """Run (or resume) the experiment `cfg` into `run_dir`; returns metrics.json's content.
+
+    metrics.json covers the finished samples that `cfg` selects (predictions of other samples in the
+    directory, e.g. from a run with a larger `dataset.n`, stay valid and are kept).
+    """
     check_config(cfg)
     run_dir = Path(run_dir)
     (run_dir / "trace").mkdir(parents=True, exist_ok=True)
-    with RunDirLock(run_dir):
-        return _run_locked(cfg, run_dir, progress)
+    with RunDirLock(run_dir), _StopOnSignal() as stop:
+        return _run_locked(cfg, run_dir, progress, stop)
 
 
-def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
+def _run_locked(cfg: dict, run_dir: Path, progress: bool, stop: _StopOnSignal) -> dict:
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)
+    identity = identity_record(cfg, str(dtype).removeprefix("torch."))
+    check_identity(run_dir, identity)
     set_cpu_threads(cfg.get("cpu_threads"), device)
     dataset = build_dataset(cfg["dataset"])
+    selected = dataset.ids
+    done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}
+    n_done = sum(i in done for i in selected)
+    if n_done:
+        log.info(f"{n_done} of {len(selected)} samples already done")
+    interrupted = None
+    try:
+        _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress, stop)
+    except Interrupted as e:
+        stop.holding = True  # a second signal must not cut metrics.json short
+        interrupted = e
+    records = [done[i] for i in selected if i in done]
+    metrics = aggregate(records)
+    write_metrics(run_dir, metrics)
+    if interrupted is not None:
+        log.warning(f"interrupted: {len(records)} of {len(selected)} samples kept; rerun the same command to resume")
+        raise interrupted
+    return metrics
+
+
+def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress, stop) -> None:
+    """Decode the selected samples not in `done`, adding each to `done` once its prediction line is written."""
     torch.manual_seed(cfg["seed"])
     backbone = load_backbone(cfg["model"], device, dtype)
     policy = build_policy(cfg["method"], backbone.describe())
@@ -69,29 +152,52 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool) -> dict:
     elif cfg.get("analysis") is not None:
         raise ValueError(f"unknown analysis {cfg['analysis']!r}: use analysis=mismatch or leave it null")
     (run_dir / "environment.json").write_text(json.dumps(environment(device), indent=2) + "\n")
+    write_identity(run_dir, identity)  # what the samples below are computed under
 
-    done = {r["id"]: r for r in read_predictions(run_dir, repair=True)}
-    records = []
-    bar = tqdm(total=len(dataset), desc=f"{cfg['model']['name']}/{cfg['method']['name']}", disable=not progress,
-               unit="sample")
-    for sample in dataset:
-        if sample.id in done:
-            records.append(done[sample.id])
-        else:
-            record = _run_sample(sample, backbone, policy, cfg)
+    bar = tqdm(total=len(selected), initial=sum(i in done for i in selected),
+               desc=f"{cfg['model']['name']}/{cfg['method']['name']}", disable=not progress, unit="sample")
+    try:
+        for i, sample_id in enumerate(selected):
+            if sample_id in done:
+                continue
+            record = _run_sample(dataset[i], backbone, policy, cfg)
             trace = record.pop("trace", None)
-            if trace is not None:  # the trace first: a sample is done once its prediction line exists
-                (run_dir / "trace" / f"{sample.id}.json").write_text(json.dumps(trace))
-            append_prediction(run_dir, record)
-            records.append(record)
-        counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in records if r.get("error") is None])
-        bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-",
-                        failed=sum(r.get("error") is not None for r in records))
-        bar.update(1)
-    bar.close()
-    metrics = aggregate(records)
-    write_metrics(run_dir, metrics)
-    return metrics
+            with stop.hold():
+                if trace is not None:  # the trace first: a sample is done once its prediction line exists
+                    (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
+                append_prediction(run_dir, record)
+                done[sample_id] = record
+            if record["error"] is not None:
+                log.warning(f"sample {sample_id} failed: {record['error']}")
+            finished = [done[j] for j in selected if j in done]
+            ok = [r for r in finished if r.get("error") is None]
+            counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in ok])
+            bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-", failed=len(finished) - len(ok))
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _check_fits(backbone, seconds: float, per_s: float, minimum: int) -> None:
+    """The backbone's refusal of audio that cannot fit its positions with its answer, naming the real limit.
+
+    The answer's cap grows with the audio, so the longest audio that fits is found by bisection on the
+    backbone's own check.
+    """
+    def fits(s: float) -> bool:
+        try:
+            backbone.check_fits(s, max_new_tokens_for(s, per_s, minimum))
+            return True
+        except ValueError:
+            return False
+
+    if fits(seconds):
+        return
+    lo, hi = 0.0, seconds
+    for _ in range(40):
+        lo, hi = ((lo + hi) / 2, hi) if fits((lo + hi) / 2) else (lo, (lo + hi) / 2)
+    raise ValueError(f"audio of {seconds:.0f} s and its answer need more than the {backbone.max_positions} positions "
+                     f"of {backbone.name}: the limit is about {lo:.0f} s; cut the recording")
 
 
 def _run_sample(sample, backbone, policy, cfg) -> dict:
@@ -99,11 +205,15 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
     base = dict(id=sample.id, reference=sample.reference, task=sample.task, duration=duration)
     try:
         per_s, minimum = cfg["model"]["max_new_tokens_per_second"], cfg["model"]["min_new_tokens"]
-        if duration is not None:
-            backbone.check_fits(duration, max_new_tokens_for(duration, per_s, minimum))
+        if duration is not None:  # from the audio header, before anything is decoded
+            _check_fits(backbone, duration, per_s, minimum)
         audio = sample.audio()
         if len(audio) == 0:
             raise ValueError("the audio file holds no samples")
+        not_finite = int(np.count_nonzero(~np.isfinite(audio)))
+        if not_finite:
+            raise ValueError(f"the audio holds {not_finite} NaN or infinite values (of {len(audio)} at 16 kHz): "
+                             "the recording is corrupt")
         prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
         cap = max_new_tokens_for(len(audio) / 16000, per_s, minimum)
         res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap)

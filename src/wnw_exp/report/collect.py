@@ -4,8 +4,10 @@ Reads only what a run leaves on disk (the contract of DESIGN.md): `.hydra/config
 config), `.hydra/overrides.yaml` and `.hydra/hydra.yaml` (the override dirname and the experiment
 chosen), `predictions.jsonl`, `metrics.json` and `trace/<id>.json`. It never imports torch or a model.
 
-Data-parallel shards (`dataset.shard=i dataset.num_shards=n`) land in run directories that differ only by
-`dataset.shard`; they are merged into one run, whose metrics are recomputed from the union of their
+A run directory counts the samples its metrics.json lists (`sample_ids`: those its last run selected),
+like the runner; predictions of other samples in the file are left out. Run directories of one identity
+(`rundir.identity_hash`) and one `dataset.num_shards` are one run: data-parallel shards
+(`dataset.shard=i dataset.num_shards=n`) are merged, with metrics recomputed from the union of their
 predictions with the runner's own `aggregate`.
 """
 
@@ -23,10 +25,8 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
-from wnw_exp.engine.rundir import METRICS, PREDICTIONS, aggregate, read_predictions
+from wnw_exp.engine.rundir import METRICS, PREDICTIONS, aggregate, identity_hash, read_predictions
 
-# Keys of the resolved config that do not change what a run computes (or that a shard changes).
-NOT_IDENTITY = ("runs_root", "progress", "device")
 SHARD_KEY = "dataset.shard"
 
 CORE_COLUMNS = ["model", "dataset", "split", "language", "task", "method", "retention", "analysis", "calibration",
@@ -222,26 +222,19 @@ def _dig(d: dict, dotted: str) -> Any:
     return d
 
 
-def _identity(config: dict) -> str:
-    """A run's configuration minus what does not change its results and minus the shard index."""
-    c = json.loads(json.dumps(config, default=str))
-    for k in NOT_IDENTITY:
-        c.pop(k, None)
-    if isinstance(c.get("dataset"), dict):
-        c["dataset"].pop("shard", None)
-    return json.dumps(c, sort_keys=True)
-
-
 def read_run_dir(run_dir: Path) -> dict:
     config = _load_config(run_dir / ".hydra" / "config.yaml")
     overrides, experiment = _override_items(run_dir)
     records = read_predictions(run_dir)
     metrics = None
-    if not records and (run_dir / METRICS).exists():  # results without their predictions: take them as written
+    if (run_dir / METRICS).exists():
         try:
             metrics = json.loads((run_dir / METRICS).read_text())
         except ValueError:
             metrics = None
+    if metrics is not None and "sample_ids" in metrics:  # the samples the last run selected, in its order
+        by_id = {r["id"]: r for r in records}
+        records = [by_id[i] for i in metrics["sample_ids"] if i in by_id]
     return dict(dir=run_dir, config=config, overrides=overrides, experiment=experiment, records=records,
                 metrics=metrics)
 
@@ -257,7 +250,8 @@ def collect_runs(roots: list[Path | str]) -> list[Run]:
             if not (d / PREDICTIONS).exists() and not (d / METRICS).exists():
                 continue  # started, nothing finished yet
             info = read_run_dir(d)
-            groups.setdefault(_identity(info["config"]), []).append(info)
+            key = (identity_hash(info["config"]), _dig(info["config"], "dataset.num_shards") or 1)
+            groups.setdefault(key, []).append(info)
     runs = [_merge(parts) for parts in groups.values()]
     runs.sort(key=lambda r: (r.model, r.dataset, str(r.split), r.method, r.retention or 0.0, r.label))
     return runs

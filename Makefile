@@ -27,7 +27,7 @@ run: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-FIGURES_MODEL ?= whisper_smollm2
+FIGURES_MODEL ?= tiny
 
 # Every table and figure from outputs/runs; with no run directory yet, a small sweep on FIGURES_MODEL first.
 figures: $(STAMP)

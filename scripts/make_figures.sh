@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 RUNS=${RUNS:-outputs/runs}
 OUT=${OUT:-outputs/report}
-MODEL=${FIGURES_MODEL:-whisper_smollm2}
+MODEL=${FIGURES_MODEL:-tiny}
 N=${FIGURES_N:-2}
 MIN_S=${FIGURES_MIN_SECONDS:-60}
 MAX_S=${FIGURES_MAX_SECONDS:-80}

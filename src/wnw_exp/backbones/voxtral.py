@@ -21,15 +21,18 @@ from wnw_exp.backbones.base import Backbone, Prompt, contiguous_span
 from wnw_exp.backbones.word_tokenizer import AUDIO, transcription_prompt
 from wnw_exp.data.base import SAMPLE_RATE
 
-CHAT_INSTRUCTION = "Transcribe the audio."
+# Before the audio: SmolLM2 copies what follows "Repeat exactly:" (measured: with the transcript's own token
+# embeddings in place of the audio it copies a 319-word passage at 56% WER, where "Transcribe the audio."
+# after it gives 99%: the model writes something else).
+CHAT_INSTRUCTION = "Repeat exactly: "
 TRANSLATE_INSTRUCTION = {"fr": "French", "en": "English", "de": "German", "es": "Spanish"}
 
 
 def chat_prompt_ids(tokenizer, audio_token_id: int, n_audio_tokens: int) -> list[int]:
-    """The tokenizer's chat template around one user turn, `n_audio_tokens` audio placeholders then
-    CHAT_INSTRUCTION, with the assistant's turn opened; the answer follows, then the template's end token."""
+    """The tokenizer's chat template around one user turn, CHAT_INSTRUCTION then `n_audio_tokens` audio
+    placeholders, with the assistant's turn opened; the answer follows, then the template's end token."""
     marker = tokenizer.convert_ids_to_tokens(audio_token_id)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{marker}\n{CHAT_INSTRUCTION}"}],
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{CHAT_INSTRUCTION}{marker}"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
     at = ids.index(audio_token_id)

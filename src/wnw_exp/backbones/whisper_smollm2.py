@@ -16,7 +16,7 @@ The vocabulary gains one token, `<|audio|>` (id 49152), the audio placeholder; i
 (the encoder output replaces it at the audio span, and its logit is then exactly 0). The prompt is
 SmolLM2's chat template (its default system prompt), the user turn being the audio and an instruction:
 
-    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n<|audio|>x375n\\nTranscribe the audio.<|im_end|>\\n
+    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\nRepeat exactly: <|audio|>x375n<|im_end|>\\n
     <|im_start|>assistant\\n
 
 (`voxtral.chat_prompt_ids`) and the answer is the transcript followed by `<|im_end|>`.

@@ -1,1 +1,1 @@
-"""Training of the embedded default model (`model=whisper_smollm2`): its projector (and optional LoRA) on synthetic speech."""
+"""Training of the embedded models: `tiny` from scratch (`tiny.py`), `whisper_smollm2`'s projector and LoRA (`projector.py`)."""

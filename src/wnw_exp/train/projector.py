@@ -50,7 +50,7 @@ TOKENS_PER_WINDOW = 375
 TRAIN_SEED = SPLIT_SEED_BASE["train"]
 VOICES = DEFAULT_VOICES["en"]
 # (until this fraction of the session, min seconds, max seconds)
-DEFAULT_STAGES = ((0.25, 4.0, 30.0), (1.0, 20.0, 240.0))
+DEFAULT_STAGES = ((0.15, 4.0, 30.0), (0.4, 20.0, 120.0), (1.0, 20.0, 240.0))
 
 
 def stage_at(progress: float, stages) -> tuple[float, float]:
@@ -105,7 +105,7 @@ class NaturalClips(IterableDataset):
         index = self.first_index + wid
         while True:
             lo, hi = stage_at(self.progress.value, self.stages)
-            windows, answers, used = [], [], 0
+            windows, answers, frame_targets, used = [], [], [], 0
             while used < self.batch_windows:
                 try:
                     audio, words = synthesize_clip(TRAIN_SEED + self.seed, index, text="natural", text_split="train",
@@ -118,11 +118,41 @@ class NaturalClips(IterableDataset):
                 if used and used + len(w) > self.batch_windows:
                     break
                 text = " ".join(x.text for x in words)
+                ids, frames = answer_and_frame_targets(self.tokenizer, words, len(w) * TOKENS_PER_WINDOW)
                 windows.append(w)
-                answers.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                answers.append(ids)
+                frame_targets.append(frames)
                 used += len(w)
             yield dict(windows=torch.from_numpy(np.concatenate(windows)), n_windows=[len(w) for w in windows],
-                       answers=answers, next_index=index)
+                       answers=answers, frame_targets=torch.from_numpy(np.concatenate(frame_targets)),
+                       next_index=index)
+
+
+def answer_and_frame_targets(tokenizer, words, n_audio: int) -> tuple[list[int], np.ndarray]:
+    """The transcript's token ids and, per audio token (80 ms), the first token of the word spoken at its centre
+    (-100 in silence): the target of the optional frame loss (`--frame-loss`), which pulls each audio embedding
+    towards the embedding of what is being said there."""
+    from wnw_exp.calibration.scores import answer_token_words
+
+    text = " ".join(x.text for x in words)
+    ids, word_of = answer_token_words(tokenizer, text)
+    first = {}
+    for i, wi in enumerate(word_of):
+        if wi is not None:
+            first.setdefault(wi, ids[i])
+    frames = np.full(n_audio, -100, np.int64)
+    centres = (np.arange(n_audio) + 0.5) * (30.0 / TOKENS_PER_WINDOW)
+    starts, ends = np.array([x.start for x in words]), np.array([x.end for x in words])
+    k = np.searchsorted(starts, centres, side="right") - 1
+    inside = (k >= 0) & (centres < ends[np.clip(k, 0, None)])
+    frames[inside] = [first.get(int(j), -100) for j in k[inside]]
+    return list(ids), frames
+
+
+def frame_loss(model, audio_embeds: torch.Tensor, frame_targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the decoder's output layer applied to the audio embeddings against `frame_targets`."""
+    logits = model.lm_head(audio_embeds).float()
+    return F.cross_entropy(logits, frame_targets.to(logits.device), ignore_index=-100)
 
 
 def sequence_batch(model, tokenizer, audio_embeds: torch.Tensor, n_windows: list[int], answers: list[list[int]]):
@@ -172,6 +202,18 @@ def audio_embeddings(model, feats: torch.Tensor) -> torch.Tensor:
     return model.model.multi_modal_projector(stacked)
 
 
+@torch.no_grad()
+def match_embedding_scale(model, feats: torch.Tensor) -> float:
+    """Scale the fresh projector's last layer so its outputs have the element spread of the decoder's token
+    embeddings (a random projector starts 3-4x larger: measured 0.45 against 0.136 on SmolLM2)."""
+    out = audio_embeddings(model, feats).float().std()
+    target = model.model.language_model.embed_tokens.weight.float().std()
+    factor = float(target / out)
+    model.model.multi_modal_projector.linear_2.weight.mul_(factor)
+    print(f"projector output std {float(out):.4f} -> {float(target):.4f} (x{factor:.3f})", flush=True)
+    return factor
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,7 +226,16 @@ def trainable_state(model) -> dict:
     return dict(projector=proj, lora=adapters, lora_meta=meta)
 
 
-def load_trainable(model, state: dict, lora_rank: int, lora_alpha: float) -> None:
+def read_trained(folder: Path) -> dict:
+    """A trained folder's tensors in `trainable_state`'s layout."""
+    from safetensors.torch import load_file
+
+    adapters = folder / "lora.safetensors"
+    return dict(projector=load_file(str(folder / "projector.safetensors")),
+                lora={k: v.float() for k, v in load_file(str(adapters)).items()} if adapters.exists() else {})
+
+
+def load_trainable(model, state: dict) -> None:
     model.model.multi_modal_projector.load_state_dict(state["projector"])
     if state.get("lora"):
         for name, mod in _lora_modules(model):
@@ -194,9 +245,10 @@ def load_trainable(model, state: dict, lora_rank: int, lora_alpha: float) -> Non
 
 def _lora_modules(model):
     for li, layer in enumerate(model.model.language_model.layers):
-        for name, mod in layer.self_attn.named_children():
-            if isinstance(mod, lora.LoRALinear):
-                yield f"layers.{li}.{name}", mod
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in parent.named_children():
+                if isinstance(mod, lora.LoRALinear):
+                    yield f"layers.{li}.{name}", mod
 
 
 # --- train ---------------------------------------------------------------------------------------------------
@@ -214,13 +266,16 @@ def train(args: argparse.Namespace) -> None:
     if state_path.exists():
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         meta = state["meta"]
+    elif args.init_from:  # a shipped trained folder: its weights and record, a fresh optimizer
+        state = dict(trainable=read_trained(Path(args.init_from)))
+        meta = {**json.loads((Path(args.init_from) / "training_meta.json").read_text()), "init_from": args.init_from}
     lora_rank = args.lora_rank or meta.get("lora_rank", 0)
     for p in model.parameters():
         p.requires_grad_(False)
     if lora_rank:
         lora.attach(model.model.language_model, lora_rank, args.lora_alpha)
     if state is not None:
-        load_trainable(model, state["trainable"], lora_rank, args.lora_alpha)
+        load_trainable(model, state["trainable"])
     if lora_rank and not meta.get("lora_rank"):
         meta["lora_from_step"] = meta["step"]  # the step the adapters joined
     meta["lora_rank"] = lora_rank
@@ -273,10 +328,16 @@ def train(args: argparse.Namespace) -> None:
         for g in opt.param_groups:
             g["lr"] = g["peak"] * lr_scale
         feats = batch_features(batch["windows"], extractor, device)
+        if step == 0 and args.match_embedding_scale:
+            match_embedding_scale(model, feats)
         with autocast:
             embeds = audio_embeddings(model, feats)
             x, rows, targets = sequence_batch(model, tokenizer, embeds, batch["n_windows"], batch["answers"])
             loss, logs = answer_loss(model, x, rows, targets)
+            if args.frame_loss:
+                fl = frame_loss(model, embeds, batch["frame_targets"])
+                loss = loss + args.frame_loss * fl
+                logs["frame_ce"] = float(fl)
         opt.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):
             print(f"step {step}: non-finite loss, skipped", flush=True)
@@ -312,7 +373,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 # --- evaluation (plain greedy generate, independent of the engine) -------------------------------------------
-def load_run(run_dir: Path | None, trained_dir: Path | None, device):
+def load_run(run_dir: Path | None, trained_dir: Path | None, device, dtype: torch.dtype = torch.float32):
     """The assembled model with a run's trained state (merged LoRA) or a shipped trained folder."""
     if run_dir is not None:
         model, tokenizer, _ = assemble(None)
@@ -320,11 +381,11 @@ def load_run(run_dir: Path | None, trained_dir: Path | None, device):
         rank = state["meta"].get("lora_rank", 0)
         if rank:
             lora.attach(model.model.language_model, rank, float(state["trainable"]["lora_meta"]["alpha"]))
-        load_trainable(model, state["trainable"], rank, 0.0)
+        load_trainable(model, state["trainable"])
         lora.merge(model.model.language_model)
     else:
         model, tokenizer, _ = assemble(trained_dir or TRAINED_DIR)
-    return model.to(device).eval(), tokenizer
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 @torch.no_grad()
@@ -380,7 +441,8 @@ def evaluate(model, tokenizer, device, n: int, split: str, min_seconds: float, m
 def eval_cmd(args: argparse.Namespace) -> None:
     device = _device(args.device)
     model, tokenizer = load_run(Path(args.run_dir) if args.run_dir else None,
-                                Path(args.trained_dir) if args.trained_dir else None, device)
+                                Path(args.trained_dir) if args.trained_dir else None, device,
+                                torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     res = evaluate(model, tokenizer, device, args.n, args.split, args.min_seconds, args.max_seconds)
     summary = {k: v for k, v in res.items() if k != "predictions"}
     if args.run_dir:
@@ -401,8 +463,9 @@ def export(args: argparse.Namespace) -> None:
     state = torch.load(run / "state.pt", map_location="cpu", weights_only=False)
     tr = state["trainable"]
     save_file({k: v.contiguous() for k, v in tr["projector"].items()}, str(out / "projector.safetensors"))
-    if tr["lora"]:
-        save_file(tr["lora"], str(out / "lora.safetensors"), metadata=tr["lora_meta"])
+    if tr["lora"]:  # bfloat16 halves the file; the merge computes in float32
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tr["lora"].items()}, str(out / "lora.safetensors"),
+                  metadata=tr["lora_meta"])
     elif (out / "lora.safetensors").exists():
         (out / "lora.safetensors").unlink()
     meta = {k: v for k, v in state["meta"].items()}
@@ -427,6 +490,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--lora-alpha", type=float, default=32.0)
     t.add_argument("--lora-lr", type=float, default=2e-4)
     t.add_argument("--stages", default=None, help="JSON [[fraction, min_s, max_s], ...]")
+    t.add_argument("--match-embedding-scale", type=int, default=1, help="1: rescale a fresh projector's output")
+    t.add_argument("--frame-loss", type=float, default=0.0, help="weight of the frame loss (0: off)")
+    t.add_argument("--init-from", default=None, help="a trained folder (projector.safetensors, lora.safetensors) "
+                                                     "to start a fresh run from")
     t.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto")
@@ -441,6 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--max-seconds", type=float, default=240.0)
     e.add_argument("--device", default="auto")
     e.add_argument("--predictions", default=None)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     x = sub.add_parser("export")
     x.add_argument("--run-dir", required=True)
     x.add_argument("--out", default=str(TRAINED_DIR))

@@ -16,7 +16,8 @@ from wnw_exp.data.base import Word
 from wnw_exp.data.synthetic import vocabulary
 from wnw_exp.train.data import AUDIO_OFFSET, CURRICULUM, SyntheticBatches, cut_clips, pack_batch
 from wnw_exp.train.model import FrameHeads, LossWeights, TinyArch, build_tiny_model, training_losses, use_guided_attention
-from wnw_exp.train.tiny import batch_curriculum, batch_features, feature_extractor, main
+from wnw_exp.backbones.audio_windows import device_features as batch_features
+from wnw_exp.train.tiny import batch_curriculum, feature_extractor, main
 
 MICRO = dict(audio_hidden=32, audio_layers=1, audio_heads=2, text_hidden=32, text_layers=2, text_heads=4,
              text_kv_heads=2, head_dim=8, text_mlp=64)  # fmt: skip

@@ -34,3 +34,17 @@ def windowed_features(
         device=str(device),
     ).input_features
     return feats.to(device)
+
+
+def device_features(windows: torch.Tensor, extractor: WhisperFeatureExtractor, device: torch.device) -> torch.Tensor:
+    """`windowed_features` of whole 30 s windows (int16 samples, (n, 480000)) computed on `device`: the same
+    arithmetic as `WhisperFeatureExtractor` (STFT, mel filter bank, log10, the per-window floor at max - 8,
+    then (x + 4) / 4) without its round trips through numpy (the trainers' data path)."""
+    audio = windows.to(device, non_blocking=True).float() / 32768.0
+    window = torch.hann_window(extractor.n_fft, device=device)
+    stft = torch.stft(audio, extractor.n_fft, extractor.hop_length, window=window, return_complex=True)
+    magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+    mel = torch.from_numpy(extractor.mel_filters).to(device, torch.float32).T @ magnitudes
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.amax(dim=(1, 2), keepdim=True) - 8.0)
+    return (log_spec + 4.0) / 4.0

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from wnw_exp.backbones import lora
+from wnw_exp.backbones.audio_windows import device_features
 from wnw_exp.backbones.voxtral import chat_prompt_ids
 from wnw_exp.backbones.whisper_smollm2 import TRAINED_DIR, assemble
 from wnw_exp.data.base import SAMPLE_RATE
@@ -65,20 +66,6 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     w = min(1.0, (step + 1) / warmup)
     progress = min(1.0, max(0.0, progress))
     return peak * w * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def batch_features(windows: torch.Tensor, extractor, device: torch.device) -> torch.Tensor:
-    """Log-mel features of whole 30 s windows (int16 samples), on `device`: the arithmetic of
-    `WhisperFeatureExtractor` (STFT, mel filter bank, log10, per-window floor at max - 8, (x + 4) / 4)
-    without its numpy round trips."""
-    audio = windows.to(device, non_blocking=True).float() / 32768.0
-    window = torch.hann_window(extractor.n_fft, device=device)
-    stft = torch.stft(audio, extractor.n_fft, extractor.hop_length, window=window, return_complex=True)
-    magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
-    mel = torch.from_numpy(extractor.mel_filters).to(device, torch.float32).T @ magnitudes
-    log_spec = torch.clamp(mel, min=1e-10).log10()
-    log_spec = torch.maximum(log_spec, log_spec.amax(dim=(1, 2), keepdim=True) - 8.0)
-    return (log_spec + 4.0) / 4.0
 
 
 def to_windows(audio: np.ndarray) -> np.ndarray:
@@ -327,7 +314,7 @@ def train(args: argparse.Namespace) -> None:
         lr_scale = lr_at(step - first_step, progress.value, 1.0, args.warmup)
         for g in opt.param_groups:
             g["lr"] = g["peak"] * lr_scale
-        feats = batch_features(batch["windows"], extractor, device)
+        feats = device_features(batch["windows"], extractor, device)
         if step == 0 and args.match_embedding_scale:
             match_embedding_scale(model, feats)
         with autocast:

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast, VoxtralForConditionalGeneration, WhisperFeatureExtractor
 
-from wnw_exp.backbones.audio_windows import windowed_features
+from wnw_exp.backbones.audio_windows import device_features, windowed_features
 from wnw_exp.backbones.word_tokenizer import EOS, SPECIAL_TOKENS, build_word_tokenizer, transcription_prompt
 from wnw_exp.data.synthetic import DEFAULT_VOCAB_SIZE, SyntheticDataset, vocabulary
 
@@ -67,23 +67,6 @@ def _device(name: str) -> torch.device:
 
 def feature_extractor() -> WhisperFeatureExtractor:
     return WhisperFeatureExtractor(feature_size=N_MELS)
-
-
-def batch_features(windows: torch.Tensor, extractor: WhisperFeatureExtractor, device: torch.device) -> torch.Tensor:
-    """Log-mel features of whole 30 s windows (int16 samples), on `device`.
-
-    The same arithmetic as `WhisperFeatureExtractor` with `device=...` (which `windowed_features`
-    uses), without its round trips through numpy: STFT, mel filter bank, log10, the per-window
-    floor at max - 8, then (x + 4) / 4.
-    """
-    audio = windows.to(device, non_blocking=True).float() / 32768.0
-    window = torch.hann_window(extractor.n_fft, device=device)
-    stft = torch.stft(audio, extractor.n_fft, extractor.hop_length, window=window, return_complex=True)
-    magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
-    mel = torch.from_numpy(extractor.mel_filters).to(device, torch.float32).T @ magnitudes
-    log_spec = torch.clamp(mel, min=1e-10).log10()
-    log_spec = torch.maximum(log_spec, log_spec.amax(dim=(1, 2), keepdim=True) - 8.0)
-    return (log_spec + 4.0) / 4.0
 
 
 def _cpu_state(model, heads, meta) -> dict:
@@ -188,7 +171,7 @@ def train(args: argparse.Namespace) -> None:
         data_wait += time.time() - tw
         next_index = max(next_index, int(batch.pop("next_index")) + args.workers)
         n_words, audio_s = int(batch.pop("n_words")), float(batch.pop("audio_seconds"))
-        feats = batch_features(batch.pop("windows"), extractor, device)
+        feats = device_features(batch.pop("windows"), extractor, device)
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         batch["features"] = feats
         lr = lr_at(step.value, total, args.lr, args.warmup, resumed_at)

@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# One H200 session for model=whisper_smollm2 (run from the repo root after the staging calls; ~8 min):
-# the projector and LoRA adapters (rank 16 on every linear layer of the decoder) trained together for MIN
-# minutes on natural-text synthetic speech (the corpus ships in the repo), an eval on DEV_N dev clips of 2-4 min
-# (plain generate(), bf16), export. Everything stays in /root/stash for the next call; $OUT gets trained.tar.
-# (A first session trained the projector alone for 3.5 min: dev WER 113.8%, see training_log.md; with the
-# transcript's own token embeddings in place of the audio the frozen decoder copies a 319-word passage at 56%
-# WER and fails at the audio's 3.5 tokens per word: the decoder must adapt.)
+# One H200 session for model=whisper_smollm2, from the repository root after the three staging calls
+# (docs/gpu.md): continue training the projector and the LoRA adapters (rank 16 on every linear layer of the
+# decoder) from INIT (default: the shipped folder) for MIN minutes on natural-text synthetic speech, export
+# them to $OUT at once (trained.tar), then a dev eval on DEV_N clips of 2-4 min (plain generate(), bf16) with
+# at most EVAL_S seconds. Everything also stays in /root/stash for a following call on the same machine.
+# FRAME_LOSS > 0 adds the frame loss (implemented, not yet tried at scale). History: training_log.md.
 set -uo pipefail
 source scripts/gpu/env.sh || exit 1
-MIN=${MIN:-6.0} DEV_N=${DEV_N:-6} WORKERS=${WORKERS:-14}
+MIN=${MIN:-7.0} DEV_N=${DEV_N:-6} EVAL_S=${EVAL_S:-200} WORKERS=${WORKERS:-14} FRAME_LOSS=${FRAME_LOSS:-0}
+INIT=${INIT:-src/wnw_exp/backbones/whisper_smollm2}
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
-RUN=/root/stash/run2; CORPUS=src/wnw_exp/data/natural_text/passages.jsonl.gz
+RUN=/root/stash/run-$(date +%H%M); CORPUS=src/wnw_exp/data/natural_text/passages.jsonl.gz
 cp $CORPUS /root/stash/passages.jsonl.gz
 t0=$(date +%s)
-python3 -m wnw_exp.train.projector train --run-dir $RUN --minutes "$MIN" --total-steps 100000 --workers "$WORKERS" \
-  --batch-windows 32 --log-every 25 --lora-rank 16 --lr 1e-3 --lora-lr 3e-4
+python3 -m wnw_exp.train.projector train --run-dir "$RUN" --init-from "$INIT" --minutes "$MIN" --total-steps 100000 \
+  --workers "$WORKERS" --batch-windows 32 --log-every 25 --lora-rank 16 --lr 1e-3 --lora-lr 3e-4 --frame-loss "$FRAME_LOSS"
 echo "trained at $(( $(date +%s) - t0 )) s"
-python3 -m wnw_exp.train.projector export --run-dir $RUN --out /root/stash/trained
-python3 -m wnw_exp.train.projector eval --run-dir $RUN --n "$DEV_N" --split dev --min-seconds 120 --max-seconds 240 \
-  --dtype bfloat16 --predictions /root/stash/trained/dev_predictions.jsonl
-cp $RUN/eval_log.jsonl /root/stash/trained/
+python3 -m wnw_exp.train.projector export --run-dir "$RUN" --out /root/stash/trained
 tar cf "$OUTD/trained.tar" -C /root/stash trained
+timeout "$EVAL_S" python3 -m wnw_exp.train.projector eval --run-dir "$RUN" --n "$DEV_N" --split dev --min-seconds 120 \
+  --max-seconds 240 --dtype bfloat16 --predictions "$OUTD/dev_predictions.jsonl"
 echo "session done at $(( $(date +%s) - t0 )) s"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -90,7 +91,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if not gguf.exists():
         raise WeightsNotFoundError(f"{gguf} is missing: reinstall it: {PIP_HINT}")
     model, tokenizer = gguf_llama(gguf.parent, gguf.name)
-    tmp = out.with_name(out.name + ".tmp")
+    if tokenizer.pad_token is None:  # transformers 5.17 reads none from this GGUF, 5.24 <|im_end|>: one answer
+        tokenizer.pad_token = tokenizer.eos_token
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses a GGUF-loaded model in transformers 5.x: write the state dict ourselves.
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
@@ -100,8 +103,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
     if out.exists():  # another process finished first
-        import shutil
-
         shutil.rmtree(tmp)
         return
     tmp.rename(out)
@@ -152,7 +153,7 @@ def encoder_state_dict() -> tuple[dict[str, torch.Tensor], dict, str]:
             raise WeightsNotFoundError(f"{model_bin} holds a {spec}, not a CTranslate2 Whisper model: {PIP_HINT}")
         state = whisper_encoder_state_dict(variables)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f"model.{__import__('os').getpid()}.tmp")
+        tmp = out.with_name(f"model.{os.getpid()}.tmp")
         save_file(state, str(tmp), metadata={"format": "pt", "source": "ctranslate2 whisper-base"})
         tmp.rename(out)
         model_bin.unlink()  # the 145 MB joined file is only needed for the conversion

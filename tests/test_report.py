@@ -212,10 +212,12 @@ def test_table5_layout_marks_and_missing():
             fake_run("wnw", 0.2, 6.23, policy=dict(n_voice=90)), fake_run("adakv", 0.2, 199.24, split="test-other")]
     t = table5(Matcher(runs, WNW_DEFAULTS), ["voxtral"])
     md = to_markdown(t)
-    assert "| Full Cache | 6.79 |  |  |  |  |  |  |  |" in md
+    assert "| Full Cache | 6.79 | 6.79 | 6.79 | 6.79 |  |  |  |  |" in md  # one value across its four columns
     assert "| Ada-KV | 137.46† |  |  |  |  |  |  | 199.24 |" in md
     assert "| WnW r_GPU (%) |  |  |  | 20.00 |" in md
-    assert t.n_cells == 1 * (2 + 4 * 8 + 2 * 8) and t.n_filled == 5
+    # Full, four methods, the oracle bound at both granularities, WnW's two retention rows
+    assert t.n_cells == 1 * (2 + 4 * 8 + 2 * 8 + 2 * 8) and t.n_filled == 5
+    assert "voxtral test-clean oracle r=0.2 granularity=chunk [wer]: no run" in t.missing
     assert "voxtral test-other full [wer]: no run" in t.missing
     tex = to_latex(t)
     assert r"\multicolumn{4}{c}{6.79}" in tex and r"137.46$^\dagger$" in tex

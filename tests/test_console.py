@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from wnw_exp.cli.summary import run_summary, table
-from wnw_exp.cli.sweep import full_runs_once
+from wnw_exp.cli.summary import run_summary, sweep_summary, swept_values, table
+from wnw_exp.cli.sweep import full_runs_once, sweep_axes
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TINY = ["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=4", "model.max_new_tokens_per_second=1",
@@ -135,3 +135,41 @@ def test_summary_columns_line_up():
         assert all(ln[end - 1] != " " and (len(ln) == end or ln[end] == " ") for ln in lines)
     assert lines[0].index("dataset") == lines[1].index("synthetic") == lines[2].index("librispeech")
     assert run_summary(rows[0]).splitlines()[-1] == "run directory: /x/y"
+
+
+def test_make_figures_runs_its_sweep_whatever_else_exists(tmp_path):
+    """Another run already under RUNS (what `make run` leaves) does not stop the sweep: the runs the figures need
+    are made, with a line per sweep and per run and the total; a second time they are only resumed."""
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    wnw_run(*TINY, "method=wnw", f"runs_root={runs}", cache=tmp_path / "c")  # something else that exists
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WNW_CACHE=str(tmp_path / "c"), RUNS=str(runs),
+               OUT=str(out), BIN=str(Path(sys.executable).parent), FIGURES_MODEL="tiny_random", FIGURES_N="1",
+               FIGURES_METHODS="adakv", FIGURES_JOBS="1",
+               FIGURES_ARGS="dataset.min_seconds=3 dataset.max_seconds=4 model.max_new_tokens_per_second=1 "
+                            "model.min_new_tokens=4")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_figures.sh"
+    first = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    lines = first.stdout.splitlines()
+    assert lines[0].startswith("make figures: 6 runs on model=tiny_random (synthetic clips per run: 1) in 2 sweeps")
+    assert any(ln.startswith("make figures: sweep 1 of 2: adakv") for ln in lines)
+    assert any(ln.startswith("make figures: sweep 2 of 2: Full Cache") for ln in lines)
+    assert sum(ln.startswith("[") for ln in lines) == 6  # a line per run: 4 adakv, Full plain and with the analysis
+    assert any(ln.startswith("make figures: the sweep took") for ln in lines)
+    assert len(list(runs.rglob("adakv/*/**/metrics.json"))) == 4 and len(list(runs.rglob("full/*/**/metrics.json"))) == 2
+    assert (out / "figures" / "figure3_wer_vs_retention.png").exists()
+    second = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0
+    assert second.stderr.count("1 of 1 samples already done") == 6
+
+
+def test_the_keys_a_sweep_varies_are_shown():
+    jobs = [["method=oracle", "retention=0.2", "method.granularity=token", "seed=0"],
+            ["method=oracle", "retention=0.4", "method.granularity=chunk", "seed=0"]]
+    assert sweep_axes(jobs) == ["method.granularity"]  # method and retention have their own columns
+    assert swept_values(jobs[1], ["method.granularity"]) == "method.granularity=chunk"
+    row = dict(model="m", dataset="d-test", method="oracle", retention=0.4, n_samples=1, n_failed=0, wer=1.0,
+               run_dir="/r/m/x", swept="method.granularity=chunk")
+    text = sweep_summary([row], "/r")
+    assert text.splitlines()[1].split()[-3:] == ["swept", "run", "directory"]
+    assert text.splitlines()[2].split()[-2:] == ["method.granularity=chunk", "m/x"]

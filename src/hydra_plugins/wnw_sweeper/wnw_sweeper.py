@@ -19,14 +19,15 @@ from hydra.core.override_parser.types import Override
 
 class WnwSweeper(BasicSweeper):
     def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
-        from wnw_exp.cli.sweep import SWEEP_SIZE_ENV, full_runs_once
+        from wnw_exp.cli.sweep import SWEEP_AXES_ENV, SWEEP_SIZE_ENV, full_runs_once, sweep_axes
 
         (jobs,) = BasicSweeper.split_arguments(overrides, None)
         jobs, notes = full_runs_once(jobs, self._method_and_retention)
         for note in notes:
             print(f"wnw-run: {note}", flush=True)
-        os.environ[SWEEP_SIZE_ENV] = str(len(jobs))  # each job's [k/N] (jobs inherit the environment)
-        self.n_jobs = len(jobs)
+        # what each job's line says of the sweep (the jobs inherit the environment, in worker processes too)
+        os.environ[SWEEP_SIZE_ENV] = str(len(jobs))
+        os.environ[SWEEP_AXES_ENV] = ",".join(sweep_axes(jobs))
         return [jobs] if max_batch_size is None else list(self.split_overrides_to_chunks(jobs, max_batch_size))
 
     def _method_and_retention(self, job: List[str]) -> tuple:

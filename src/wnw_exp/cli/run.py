@@ -85,8 +85,8 @@ def quiet_libraries() -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def run_main(cfg: DictConfig) -> dict:
-    from wnw_exp.cli.summary import job_line, result_row, run_summary
-    from wnw_exp.cli.sweep import SWEEP_SIZE_ENV
+    from wnw_exp.cli.summary import job_line, result_row, run_summary, swept_values
+    from wnw_exp.cli.sweep import SWEEP_AXES_ENV, SWEEP_SIZE_ENV
     from wnw_exp.engine.runner import Interrupted, run
 
     start = time.perf_counter()
@@ -108,6 +108,8 @@ def run_main(cfg: DictConfig) -> dict:
         fail(str(e))
     row = result_row(plain, metrics, run_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:  # one line per job; the sweeper prints the table of all at the end
+        axes = [k for k in os.environ.get(SWEEP_AXES_ENV, "").split(",") if k]
+        row["swept"] = swept_values(list(hydra_cfg.overrides.task), axes)
         total = os.environ.get(SWEEP_SIZE_ENV)
         print(job_line(row, hydra_cfg.job.num + 1, int(total) if total else None, time.perf_counter() - start),
               flush=True)

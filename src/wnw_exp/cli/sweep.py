@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 FULL = "full"
 SWEEP_SIZE_ENV = "WNW_SWEEP_JOBS"  # the sweep's job count, for each job's `[k/N]` line
+SWEEP_AXES_ENV = "WNW_SWEEP_AXES"  # the keys the jobs differ in that a row does not show (comma-separated)
+SHOWN = ("model", "dataset", "method", "retention", "dataset.split")  # keys a job's row shows anyway
 
 
 def _key(override: str) -> str:
@@ -41,3 +43,13 @@ def full_runs_once(jobs: Sequence[Sequence[str]], composed: Callable[[list[str]]
         notes.append(f"method=full keeps every audio position: its jobs at retention {rs} run at retention=1.0"
                      + (f" ({dropped} repeated job{'s' if dropped > 1 else ''} left out)" if dropped else ""))
     return out, notes
+
+
+def sweep_axes(jobs: Sequence[Sequence[str]]) -> list[str]:
+    """The keys whose value differs between jobs, other than those a row shows, in first-seen order."""
+    values: dict[str, set] = {}
+    for job in jobs:
+        for o in job:
+            if "=" in o:
+                values.setdefault(_key(o), set()).add(o.split("=", 1)[1])
+    return [k for k, v in values.items() if len(v) > 1 and k not in SHOWN]

@@ -268,7 +268,7 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
 # --- the experiment configs ------------------------------------------------------------------------------------
 CONF = Path(__file__).resolve().parents[1] / "conf"
 EXPERIMENTS = ["main", "affpool", "generalisation", "ablation_a1", "ablation_a2", "ablation_a3", "sensitivity",
-               "scaling_24b", "calibration_robustness", "runtime"]
+               "scaling_24b", "calibration_robustness", "runtime", "oracle"]
 
 
 def _sweep_jobs(experiment: str) -> list[list[str]]:
@@ -310,7 +310,7 @@ def test_experiments_compose_and_never_share_a_run_directory():
                 seen[run_dir] = job
     assert counts == {"main": 40, "affpool": 8, "generalisation": 15, "ablation_a1": 10, "ablation_a2": 4,
                       "ablation_a3": 2, "sensitivity": 10, "scaling_24b": 10, "calibration_robustness": 4,
-                      "runtime": 6}
+                      "runtime": 6, "oracle": 16}
     jobs = _sweep_jobs("sensitivity")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         chunk = compose("config", overrides=[o for o in jobs if "+sensitivity=chunk_0.96" in o][0])

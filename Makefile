@@ -29,7 +29,8 @@ test: $(STAMP)
 
 FIGURES_MODEL ?= tiny
 
-# Every table and figure from outputs/runs; with no run directory yet, a small sweep on FIGURES_MODEL first.
+# Every table and figure: the small sweep on FIGURES_MODEL they need (complete runs are only resumed), then
+# wnw-report over outputs/runs (scripts/make_figures.sh lists the settings).
 figures: $(STAMP)
 	FIGURES_MODEL=$(FIGURES_MODEL) BIN=$(BIN) HF_HUB_OFFLINE=1 scripts/make_figures.sh
 

@@ -61,8 +61,9 @@ def _row(frame: pd.DataFrame, **kw) -> pd.DataFrame:
 def test_csv_one_row_per_run(report, runs_root):
     res, out = report
     frame = pd.read_csv(out / "runs.csv")
-    # full x2, adakv x2, the two adakv shards merged into one, the analysis run
-    assert len(frame) == 6
+    # full once (at retention 1.0, whatever the sweep's retentions), adakv x2, the two adakv shards merged into
+    # one, the analysis run
+    assert len(frame) == 5
     assert {"model", "dataset", "split", "method", "retention", "r_gpu", "r_gpu_cpu", "wer", "bleu", "ms_per_token",
             "mb_per_step", "terminated_rate", "n_samples", "n_failed", "floor_alpha"} <= set(frame.columns)
     assert set(frame["model"]) == {"tiny_random"} and set(frame["dataset"]) == {"synthetic"}
@@ -104,10 +105,8 @@ def test_table5_values_and_blanks(report):
     wer = {r: _row(frame, method="adakv", retention=r, num_shards=1)["wer"].iloc[0] for r in (0.2, 0.4)}
     # columns: test-clean 0.8 0.6 0.4 0.2 | test-other 0.8 0.6 0.4 0.2 (test-other has no stand-in data)
     assert lines["Ada-KV"] == ["", "", f"{wer[0.4]:.2f}", f"{wer[0.2]:.2f}", "", "", "", ""]
-    full_wer = _row(frame, method="full", retention=1.0, analysis=None)["wer"]
-    assert full_wer.empty  # the only r=1.0 full run is the analysis run, which never fills a table cell
-    full = _row(frame, method="full", retention=0.4, analysis=None)["wer"].iloc[0]
-    assert lines["Full Cache"][0] == f"{full:.2f}"
+    full = _row(frame, method="full", retention=1.0, analysis=None)["wer"].iloc[0]  # not the analysis run
+    assert lines["Full Cache"][:4] == [f"{full:.2f}"] * 4
     assert lines["ArkVale"] == [""] * 8 and lines["WnW (ours)"] == [""] * 8
     # every blank is listed, nothing else is
     missing = "\n".join(t.missing)
@@ -212,10 +211,12 @@ def test_table5_layout_marks_and_missing():
             fake_run("wnw", 0.2, 6.23, policy=dict(n_voice=90)), fake_run("adakv", 0.2, 199.24, split="test-other")]
     t = table5(Matcher(runs, WNW_DEFAULTS), ["voxtral"])
     md = to_markdown(t)
-    assert "| Full Cache | 6.79 |  |  |  |  |  |  |  |" in md
+    assert "| Full Cache | 6.79 | 6.79 | 6.79 | 6.79 |  |  |  |  |" in md  # one value across its four columns
     assert "| Ada-KV | 137.46† |  |  |  |  |  |  | 199.24 |" in md
     assert "| WnW r_GPU (%) |  |  |  | 20.00 |" in md
-    assert t.n_cells == 1 * (2 + 4 * 8 + 2 * 8) and t.n_filled == 5
+    # Full, four methods, the oracle bound at both granularities, WnW's two retention rows
+    assert t.n_cells == 1 * (2 + 4 * 8 + 2 * 8 + 2 * 8) and t.n_filled == 5
+    assert "voxtral test-clean oracle r=0.2 granularity=chunk [wer]: no run" in t.missing
     assert "voxtral test-other full [wer]: no run" in t.missing
     tex = to_latex(t)
     assert r"\multicolumn{4}{c}{6.79}" in tex and r"137.46$^\dagger$" in tex
@@ -267,7 +268,7 @@ def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
 # --- the experiment configs ------------------------------------------------------------------------------------
 CONF = Path(__file__).resolve().parents[1] / "conf"
 EXPERIMENTS = ["main", "affpool", "generalisation", "ablation_a1", "ablation_a2", "ablation_a3", "sensitivity",
-               "scaling_24b", "calibration_robustness", "runtime"]
+               "scaling_24b", "calibration_robustness", "runtime", "oracle"]
 
 
 def _sweep_jobs(experiment: str) -> list[list[str]]:
@@ -309,7 +310,7 @@ def test_experiments_compose_and_never_share_a_run_directory():
                 seen[run_dir] = job
     assert counts == {"main": 40, "affpool": 8, "generalisation": 15, "ablation_a1": 10, "ablation_a2": 4,
                       "ablation_a3": 2, "sensitivity": 10, "scaling_24b": 10, "calibration_robustness": 4,
-                      "runtime": 6}
+                      "runtime": 6, "oracle": 16}
     jobs = _sweep_jobs("sensitivity")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         chunk = compose("config", overrides=[o for o in jobs if "+sensitivity=chunk_0.96" in o][0])

@@ -105,12 +105,12 @@ def test_missing_weights_fail_fast_with_a_clear_message(cfg, monkeypatch, tmp_pa
 def test_multirun_sweep_2x2(tmp_path):
     env = dict(os.environ, WNW_NO_PROGRESS="1", WNW_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "wnw_exp.cli.run", "-m", *SHORT, "dataset.n=1", f"runs_root={tmp_path / 'runs'}",
-           "method=full", "retention=0.2,0.6", "seed=0,1"]
+           "method=adakv", "retention=0.2,0.6", "seed=0,1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = sorted(p.relative_to(tmp_path / "runs").parent for p in (tmp_path / "runs").rglob("metrics.json"))
     extra = "dataset.max_seconds=5,dataset.min_seconds=3"  # overrides beyond the path's own keys
-    assert [d.parent.as_posix() for d in metrics] == [f"tiny_random/synthetic-test/full/r{r}/{extra},seed={s}"
+    assert [d.parent.as_posix() for d in metrics] == [f"tiny_random/synthetic-test/adakv/r{r}/{extra},seed={s}"
                                                       for r in ("0.2", "0.6") for s in (0, 1)]
     assert len({d.name for d in metrics}) == 4 and all(d.name.startswith("cfg-") for d in metrics)
 

@@ -13,7 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from wnw_exp.cli.run import CONFIG_DIR
+from wnw_exp.cli.run import CONFIG_DIR, quiet_libraries
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="calibrate")
@@ -23,7 +23,10 @@ def main(cfg: DictConfig) -> None:
     plain = OmegaConf.to_container(cfg, resolve=True)
     output = Path(plain["output"]) if plain.get("output") else \
         Path(HydraConfig.get().runtime.output_dir) / "head_scores.json"
-    scores = run_calibration(plain, output, progress=cfg.progress and not os.environ.get("WNW_NO_PROGRESS"))
+    progress = bool(cfg.progress) and not os.environ.get("WNW_NO_PROGRESS")
+    if not progress:
+        quiet_libraries()
+    scores = run_calibration(plain, output, progress=progress)
     c = scores.calibration
     print(f"{scores.model}: {scores.n_layers} layers x {scores.n_kv_heads} KV heads, {c['n_samples']} samples, "
           f"{c['n_vs_tokens']} voice-score tokens, {c['n_hs_tokens']} gradient tokens")

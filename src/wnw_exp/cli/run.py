@@ -5,12 +5,14 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, read_write
 
 # The config groups live in the repository's conf/ (the package is installed in editable mode).
 CONFIG_DIR = os.environ.get("WNW_CONF", str(Path(__file__).resolve().parents[3] / "conf"))
@@ -56,14 +58,46 @@ class CheckRunsRoot(Callback):
             probe.unlink(missing_ok=True)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def run_main(cfg: DictConfig) -> None:
-    from wnw_exp.engine.runner import Interrupted, run, summary_table
+class FullHasNoRetention(Callback):
+    """Full Cache keeps every audio position: a single run of method=full runs at retention=1.0, in the run
+    directory a sweep gives it (a sweep's jobs are set so by its sweeper, wnw_exp.cli.sweep)."""
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        from wnw_exp.cli.sweep import FULL
+
+        if config.method.name == FULL and config.retention != 1.0:
+            asked = any(o.split("=", 1)[0].lstrip("+~") == "retention" for o in config.hydra.overrides.task)
+            if asked:  # a note only for a retention typed on the command line
+                print(f"wnw-run: method=full keeps every audio position: run at retention=1.0 (not "
+                      f"{config.retention})", file=sys.stderr)
+            with read_write(config):
+                config.retention = 1.0
+
+
+def quiet_libraries() -> None:
+    """progress=false: no progress bar from transformers (loading weights) or the hub either."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def run_main(cfg: DictConfig) -> dict:
+    from wnw_exp.cli.summary import job_line, result_row, run_summary, swept_values
+    from wnw_exp.cli.sweep import SWEEP_AXES_ENV, SWEEP_SIZE_ENV
+    from wnw_exp.engine.runner import Interrupted, run
+
+    start = time.perf_counter()
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     plain = OmegaConf.to_container(cfg, resolve=True)
+    progress = bool(cfg.progress) and not os.environ.get("WNW_NO_PROGRESS")
+    if not progress:
+        quiet_libraries()
     try:
-        metrics = run(plain, run_dir, progress=cfg.progress and not os.environ.get("WNW_NO_PROGRESS"))
+        metrics = run(plain, run_dir, progress=progress)
     except Interrupted as e:  # metrics.json is written and the line saying so printed
         sys.exit(128 + e.signum)
     except OSError as e:
@@ -72,7 +106,16 @@ def run_main(cfg: DictConfig) -> None:
     except (ValueError, RuntimeError) as e:
         # Bad input (config, weights, data, a locked run directory or one of another configuration)
         fail(str(e))
-    print(summary_table(plain, metrics, run_dir))
+    row = result_row(plain, metrics, run_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # one line per job; the sweeper prints the table of all at the end
+        axes = [k for k in os.environ.get(SWEEP_AXES_ENV, "").split(",") if k]
+        row["swept"] = swept_values(list(hydra_cfg.overrides.task), axes)
+        total = os.environ.get(SWEEP_SIZE_ENV)
+        print(job_line(row, hydra_cfg.job.num + 1, int(total) if total else None, time.perf_counter() - start),
+              flush=True)
+    else:
+        print(run_summary(row))
+    return row
 
 
 def main() -> None:

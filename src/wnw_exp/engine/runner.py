@@ -155,7 +155,8 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
     write_identity(run_dir, identity)  # what the samples below are computed under
 
     bar = tqdm(total=len(selected), initial=sum(i in done for i in selected),
-               desc=f"{cfg['model']['name']}/{cfg['method']['name']}", disable=not progress, unit="sample")
+               desc=f"{cfg['model']['name']}/{cfg['method']['name']} r={cfg['retention']}", disable=not progress,
+               unit="sample")
     try:
         for i, sample_id in enumerate(selected):
             if sample_id in done:
@@ -239,16 +240,3 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
 def _finite(x: float) -> float | None:
     return x if x == x and not math.isinf(x) else None
 
-
-def summary_table(cfg: dict, metrics: dict, run_dir: Path) -> str:
-    def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
-
-    head = f"{'model':<12} {'dataset':<24} {'method':<8} {'target':>6} {'n':>4} {'fail':>4} {'WER%':>7} " \
-           f"{'BLEU':>6} {'r_gpu':>6} {'r_g+c':>6} {'ms/tok':>7} {'term':>5}"
-    ds = f"{cfg['dataset']['name']}-{cfg['dataset'].get('split')}"
-    row = (f"{cfg['model']['name']:<12} {ds:<24} {cfg['method']['name']:<8} {cfg['retention']:>6} "
-           f"{metrics['n_samples']:>4} {metrics['n_failed']:>4} {f(metrics['wer'], '7.2f')} "
-           f"{f(metrics['bleu'], '6.2f')} {f(metrics['r_gpu'], '6.3f')} {f(metrics['r_gpu_cpu'], '6.3f')} "
-           f"{f(metrics['ms_per_token'], '7.2f')} {f(metrics['terminated_rate'], '5.2f')}")
-    return f"{head}\n{row}\nrun directory: {run_dir}"

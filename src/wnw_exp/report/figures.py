@@ -1,8 +1,9 @@
 """Figures 1, 3 and 4 from runs (matplotlib, PNG and PDF), sized for a paper column or page.
 
 - Figure 1: prefill vs decode-cumulative attention over the audio, (a) mass per grid bin, (b) cumulative.
-- Figure 3: WER vs target r_GPU per method, one panel per backbone, Full Cache dashed; points above the
-  cap are drawn at the cap as upward arrows labelled with their value.
+- Figure 3: WER vs the measured r_GPU per method (the targets as dotted verticals), one panel per backbone,
+  Full Cache dashed, the oracle bound dotted grey; points above the cap are upward arrows at the cap, their
+  values in a small table under the panel.
 - Figure 4: GPU KV size over decode steps on one sample, one panel per method, one curve per target
   r_GPU, the reference length dotted.
 Each function returns the paths it wrote (none when there is nothing to draw).
@@ -10,7 +11,9 @@ Each function returns the paths it wrote (none when there is nothing to draw).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -20,8 +23,8 @@ import numpy as np  # noqa: E402
 
 from wnw_exp.report.collect import Run  # noqa: E402
 from wnw_exp.report.mismatch import MismatchSummary  # noqa: E402
-from wnw_exp.report.specs import (MAIN_RETENTIONS, METHOD_LABELS, METHOD_ORDER, PAPER_MODELS, Cell,  # noqa: E402
-                                  Matcher)
+from wnw_exp.report.methods import MethodStyle, Variant, method_styles  # noqa: E402
+from wnw_exp.report.specs import MAIN_RETENTIONS, PAPER_MODELS, Cell, Matcher  # noqa: E402
 from wnw_exp.report.tables import n_voice_knob  # noqa: E402
 
 STYLE = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
@@ -79,64 +82,138 @@ def figure1(summary: MismatchSummary, out_dir: Path, stem: str) -> list[Path]:
 
 
 # --- Figure 3 ---------------------------------------------------------------------------------------------
-def _wer_series(matcher: Matcher, model: str, method: str, role: str) -> list[tuple[float, float]]:
+def _wer_series(matcher: Matcher, model: str, method: str, role: str,
+                knobs: tuple = ()) -> list[tuple[float, float, float]]:
+    """(target, measured r_GPU, WER) of a method's runs at the paper's retentions, by target. A run that did not
+    record r_GPU is drawn at its target."""
     pts = []
     for r in MAIN_RETENTIONS:
-        knobs = n_voice_knob(model, r) if method == "wnw" else ()
-        run, _ = matcher.find(Cell(model, role, method, r, knobs))
+        run, _ = matcher.find(Cell(model, role, method, r, knobs + (n_voice_knob(model, r) if method == "wnw" else ())))
         if run is not None and run.metrics.get("wer") is not None:
-            pts.append((r, run.metrics["wer"]))
+            measured = run.metrics.get("r_gpu")
+            pts.append((r, r if measured is None else float(measured), float(run.metrics["wer"])))
     return sorted(pts)
+
+
+@dataclass
+class Curve:
+    style: MethodStyle
+    variant: Variant
+    points: list[tuple[float, float, float]]  # (target, measured r_GPU, WER)
+
+
+def figure3_curves(matcher: Matcher, model: str, role: str = "test-clean") -> tuple[list[Curve], float | None]:
+    """The curves of one panel (every deployable method, then the bounds) and Full Cache's WER."""
+    curves = []
+    for st in method_styles():
+        if st.role == "reference":
+            continue
+        for v in st.rows():
+            pts = _wer_series(matcher, model, st.name, role, v.knobs)
+            if pts:
+                curves.append(Curve(st, v, pts))
+    full, _ = matcher.find(Cell(model, role, "full", None))
+    return curves, None if full is None else full.metrics.get("wer")
 
 
 def figure3(matcher: Matcher, models: list[str], out_dir: Path, stem: str = "figure3_wer_vs_retention",
             role: str = "test-clean", cap: float = WER_CAP) -> list[Path]:
+    with plt.rc_context(STYLE):
+        fig = draw_figure3(matcher, models, role, cap)
+        return [] if fig is None else _save(fig, out_dir, stem)
+
+
+def draw_figure3(matcher: Matcher, models: list[str], role: str = "test-clean", cap: float = WER_CAP):
+    """WER against the *measured* r_GPU (the targets as grey verticals); points above the cap are upward arrows
+    at the cap, their values in a table under the panel (labels beside arrows collide at 2-3 digits). None when
+    no model has a point."""
     panels = []
     for model in models:
-        series = {m: _wer_series(matcher, model, m, role) for m in METHOD_ORDER if m != "full"}
-        full, _ = matcher.find(Cell(model, role, "full", None))
-        full_wer = None if full is None else full.metrics.get("wer")
-        if full_wer is not None or any(series.values()):
-            panels.append((model, series, full_wer))
+        curves, full_wer = figure3_curves(matcher, model, role)
+        if full_wer is not None or curves:
+            panels.append((model, curves, full_wer))
     if not panels:
-        return []
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(len(panels), 1, figsize=(3.4, 2.3 * len(panels)), squeeze=False)
-        for ax, (model, series, full_wer) in zip(axes[:, 0], panels):
-            # the cap: the paper's 30% WER, raised for a model whose Full Cache is itself above 2/3 of it
-            top = cap if full_wer is None or full_wer < cap * 2 / 3 else float(np.ceil(1.5 * full_wer / 10) * 10)
-            if full_wer is not None:
-                ax.axhline(full_wer, color="black", ls="--", lw=1, label=f"Full Cache ({full_wer:.2f})")
-            methods = [m for m in series if series[m]]
-            for i, m in enumerate(methods):
-                xs = np.array([p[0] for p in series[m]])
-                ys = np.array([p[1] for p in series[m]])
-                dx = (i - (len(methods) - 1) / 2) * 0.012  # keep arrows of one retention apart
-                below = ys <= top
-                ax.plot(xs + dx, np.minimum(ys, top), color=COLORS[m], lw=1.1)
-                ax.plot((xs + dx)[below], ys[below], ls="none", color=COLORS[m], marker=MARKERS[m])
-                ax.plot([], [], color=COLORS[m], marker=MARKERS[m], lw=1.1, label=METHOD_LABELS[m])  # legend
-                for x, y in zip((xs + dx)[~below], ys[~below]):  # off the scale: an arrow up and the value
-                    ax.annotate("", xy=(x, top * 1.08), xytext=(x, top * 0.94),
-                                arrowprops=dict(arrowstyle="-|>", color=COLORS[m], lw=1.2, mutation_scale=7))
-                    ax.text(x, top * (1.1 + 0.07 * (i % 2)), f"{y:.0f}", color=COLORS[m], fontsize=6,
-                            ha="center", va="bottom")
-            ax.set_ylim(0, top * 1.3)
-            ax.set_xlim(0.13, 0.87)
-            ax.set_xticks(MAIN_RETENTIONS)
-            ax.set_xlabel("audio KV retention r_GPU (target)")
-            ax.set_ylabel("WER (%)")
-            ax.set_title(f"{_model_title(model)}, {role if model in PAPER_MODELS else matcher.data_for(model, role)}"
-                         + (f" (points > {top:.0f}% as arrows)" if top else ""))
-            ax.grid(alpha=0.3)
-        handles = {}
-        for ax in axes[:, 0]:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                handles.setdefault(lab.split(" (")[0] if lab.startswith("Full") else lab, h)
-        fig.tight_layout()
-        fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3,
-                   frameon=False)
-        return _save(fig, out_dir, stem)
+        return None
+    tops, offscale = [], []
+    for _, curves, full_wer in panels:
+        # the cap: the paper's 30% WER, raised for a model whose Full Cache is itself above 2/3 of it
+        top = cap if full_wer is None or full_wer < cap * 2 / 3 else float(np.ceil(1.5 * full_wer / 10) * 10)
+        tops.append(top)
+        offscale.append([c for c in curves if any(w > top for _, _, w in c.points)])
+    heights = []
+    for rows in offscale:
+        heights += [2.0] + ([0.16 * (len(rows) + 1) + 0.05] if rows else [])
+    fig = plt.figure(figsize=(3.4, sum(heights) + 0.3 * len(panels)))
+    grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
+    row = 0
+    for (model, curves, full_wer), top, rows in zip(panels, tops, offscale):
+        ax = fig.add_subplot(grid[row])
+        row += 1
+        _figure3_panel(ax, model, curves, full_wer, top, matcher, role)
+        if rows:
+            _offscale_table(fig.add_subplot(grid[row], sharex=ax), rows, top)
+            row += 1
+    handles: dict[str, Any] = {}
+    for ax in fig.axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab.split(" (")[0] if lab.startswith("Full") else lab, h)
+    fig.tight_layout(h_pad=0.6)
+    fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
+               frameon=False)
+    return fig
+
+
+def _figure3_panel(ax, model: str, curves: list[Curve], full_wer: float | None, top: float, matcher: Matcher,
+                   role: str) -> None:
+    targets = sorted({t for c in curves for t, _, _ in c.points} or MAIN_RETENTIONS)
+    for t in targets:
+        ax.axvline(t, color="0.75", lw=0.7, ls=(0, (1, 2)), zorder=0)
+    if full_wer is not None:
+        ax.axhline(full_wer, color="black", ls="--", lw=1, label=f"Full Cache ({full_wer:.2f})")
+    arrows = [c for c in curves if any(w > top for _, _, w in c.points)]
+    for c in curves:
+        st = c.style
+        xs = np.array([p[1] for p in c.points])
+        ys = np.array([p[2] for p in c.points])
+        below = ys <= top
+        # off-scale arrows of one target side by side (their x is the measured r_GPU plus this offset)
+        dx = (arrows.index(c) - (len(arrows) - 1) / 2) * 0.012 if c in arrows else 0.0
+        xplot = np.where(below, xs, xs + dx)
+        bound = st.role == "bound"
+        kw = dict(color=st.color, lw=1.0 if bound else 1.1, ls=c.variant.linestyle)
+        ax.plot(xplot, np.minimum(ys, top), **kw)
+        ax.plot(xs[below], ys[below], ls="none", color=st.color, marker=st.marker)
+        ax.plot([], [], marker=st.marker, label=c.variant.label, **kw)  # legend entry
+        for x in xplot[~below]:
+            ax.annotate("", xy=(x, top * 1.1), xytext=(x, top * 0.95),
+                        arrowprops=dict(arrowstyle="-|>", color=st.color, lw=1.2, mutation_scale=7))
+    measured = [x for c in curves for _, x, _ in c.points]
+    lo, hi = min(measured + targets) - 0.07, max(measured + targets) + 0.07
+    ax.set_xlim(max(0.0, lo), min(1.02, hi))
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xticks(targets)
+    ax.set_xlabel("audio KV retention r_GPU, measured (dotted verticals: targets)")
+    ax.set_ylabel("WER (%)")
+    data = role if model in PAPER_MODELS else matcher.data_for(model, role)
+    ax.set_title(f"{_model_title(model)}, {data}" + (f": arrows > {top:.0f}% WER" if arrows else ""))
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _offscale_table(ax, curves: list[Curve], top: float) -> None:
+    """The values of the off-scale points under the panel: one row per curve, each value under its point's
+    target on the panel's x-axis (`ax` shares it), the curve's label at the left."""
+    ax.axis("off")
+    n = len(curves)
+    ax.set_ylim(n + 0.5, -0.7)
+    ax.text(-0.02, -0.3, f"WER (%) above {top:.0f}:", transform=ax.get_yaxis_transform(), ha="right", va="center",
+            fontsize=6, style="italic")
+    for i, c in enumerate(curves):
+        y = i + 0.6
+        ax.text(-0.02, y, c.variant.label, transform=ax.get_yaxis_transform(), ha="right", va="center", fontsize=6,
+                color=c.style.color)
+        for t, _, w in c.points:
+            if w > top:
+                ax.text(t, y, f"{w:.0f}", ha="center", va="center", fontsize=6, color=c.style.color)
 
 
 # --- Figure 4 ---------------------------------------------------------------------------------------------
@@ -165,18 +242,17 @@ def _kv_curve(run: Run, sample_id: str) -> tuple[np.ndarray, dict] | None:
 def figure4(matcher: Matcher, model: str, out_dir: Path, stem: str, role: str = "test-clean",
             sample_id: str | None = None) -> list[Path]:
     runs: dict[tuple[str, float | None], Run] = {}
-    for m in METHOD_ORDER:
-        if m == "full":
-            run, _ = matcher.find(Cell(model, role, "full", None))
-            if run is not None:
-                runs[("full", None)] = run
-            continue
+    full_run, _ = matcher.find(Cell(model, role, "full", None))
+    if full_run is not None:
+        runs[("full", None)] = full_run
+    labels = {st.name: st.label for st in method_styles() if st.deployable}
+    for m in labels:
         for r in MAIN_RETENTIONS:
             run, _ = matcher.find(Cell(model, role, m, r, n_voice_knob(model, r) if m == "wnw" else ()))
             if run is not None:
                 runs[(m, r)] = run
     runs = {k: r for k, r in runs.items() if r.trace_ids()}  # a run whose samples all failed has no curve
-    methods = [m for m in METHOD_ORDER if m != "full" and any(k[0] == m for k in runs)]
+    methods = [m for m in labels if any(k[0] == m for k in runs)]
     if not methods:
         return []
     if sample_id is None:  # the sample most runs decoded, the longest among those
@@ -211,7 +287,7 @@ def figure4(matcher: Matcher, model: str, out_dir: Path, stem: str, role: str = 
                 ax.plot(np.arange(y.size), y, color=RET_COLORS[r], label=f"r={r:g}")
             if ref:
                 ax.axvline(ref, color="gray", ls=":", lw=1)
-            ax.set_title(METHOD_LABELS[m])
+            ax.set_title(labels[m])
             ax.grid(alpha=0.3)
             ax.set_xlabel("decode step")
             ax.set_ylim(bottom=0)

@@ -31,9 +31,6 @@ import yaml
 from wnw_exp.report.collect import Run
 
 PAPER_MODELS = {"voxtral": "Voxtral-mini-3b", "qwen_omni": "Qwen2.5-Omni-3B", "voxtral_small": "Voxtral-Small-24B"}
-METHOD_LABELS = {"full": "Full Cache", "adakv": "Ada-KV", "audiokv": "AudioKV", "arkvale": "ArkVale",
-                 "affpool": "AffPool", "wnw": "WnW (ours)"}
-METHOD_ORDER = ["full", "adakv", "audiokv", "arkvale", "affpool", "wnw"]
 ALWAYS_FREE = ("head_scores",)
 MAIN_RETENTIONS = (0.8, 0.6, 0.4, 0.2)
 # §3.4: WnW's n_voice per target on the paper's backbones (also the method's `auto` default).

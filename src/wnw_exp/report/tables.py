@@ -14,8 +14,8 @@ from typing import Any, Callable
 import numpy as np
 
 from wnw_exp.report.collect import Run
-from wnw_exp.report.specs import (MAIN_RETENTIONS, METHOD_LABELS, PAPER_MODELS, PAPER_N_VOICE, Cell, Matcher,
-                                  same)
+from wnw_exp.report.methods import label, table_methods
+from wnw_exp.report.specs import MAIN_RETENTIONS, PAPER_MODELS, PAPER_N_VOICE, Cell, Matcher, same
 
 FAILED_MARK, SHARD_MARK = "†", "‡"
 
@@ -118,6 +118,9 @@ def n_voice_knob(model: str, r: float) -> tuple[tuple[str, Any], ...]:
 
 
 # --- Table 5: main results ----------------------------------------------------------------------------
+TABLE5_METHODS = ("adakv", "audiokv", "arkvale", "wnw")  # the paper's rows under Full Cache
+
+
 def table5(matcher: Matcher, models: list[str]) -> Table:
     roles = ["test-clean", "test-other"]
     rs = MAIN_RETENTIONS
@@ -126,29 +129,43 @@ def table5(matcher: Matcher, models: list[str]) -> Table:
               ["Method (r_GPU=)"] + [f"{role} {r:g}" for role in roles for r in rs],
               groups=[("", 1)] + [(f"{role} (WER)", len(rs)) for role in roles])
     b = Builder(matcher, t)
+    methods = table_methods(TABLE5_METHODS, bounds=True)
     for model in models:
         t.rows.append(f"Backbone: {model_label(model)}")
-        full = [Out(METHOD_LABELS["full"])]
-        for role in roles:
+        full = [Out(label("full"))]
+        for role in roles:  # Full Cache keeps every audio position: one value per test set, across its columns
             full.append(b.value(Cell(model, role, "full", None), span=len(rs)))
         t.rows.append(full)
-        for method in ("adakv", "audiokv", "arkvale", "wnw"):
-            row = [Out(METHOD_LABELS[method])]
-            for role in roles:
-                for r in rs:
-                    knobs = n_voice_knob(model, r) if method == "wnw" else ()
-                    row.append(b.value(Cell(model, role, method, r, knobs)))
-            t.rows.append(row)
+        bounds = [m for m in methods if m.role == "bound"]
+        for m in [m for m in methods if m.role != "bound"]:
+            t.rows.append(_retention_row(b, model, roles, m.name, m.label))
+        if bounds:
+            t.rows.append("Upper bound (not deployable: every step's true attention)")
+            for m in bounds:
+                for v in m.rows():
+                    t.rows.append(_retention_row(b, model, roles, m.name, v.label, v.knobs))
         t.rows.append("Measured audio KV retention")
-        for metric, label in (("r_gpu", "WnW r_GPU (%)"), ("r_gpu_cpu", "WnW r_GPU+CPU (%)")):
-            row = [Out(label)]
+        for metric, text in (("r_gpu", "WnW r_GPU (%)"), ("r_gpu_cpu", "WnW r_GPU+CPU (%)")):
+            row = [Out(text)]
             for role in roles:
                 for r in rs:
                     row.append(b.value(Cell(model, role, "wnw", r, n_voice_knob(model, r), value=metric)))
             t.rows.append(row)
     t.notes += _stand_in_notes(matcher, models, roles)
+    t.notes.append("Full Cache keeps every audio position, so it has one run per test set; its value spans the "
+                   "r_GPU columns (one cell in the LaTeX table, repeated here), as in the paper.")
     _marks_note(t)
     return t
+
+
+def _retention_row(b: Builder, model: str, roles: list[str], method: str, text: str,
+                   knobs: tuple[tuple[str, Any], ...] = ()) -> list[Out]:
+    row = [Out(text)]
+    for role in roles:
+        for r in MAIN_RETENTIONS:
+            wnw = n_voice_knob(model, r) if method == "wnw" else ()
+            row.append(b.value(Cell(model, role, method, r, knobs + wnw)))
+    return row
 
 
 # --- Table 1: AffPool -----------------------------------------------------------------------------------
@@ -163,7 +180,7 @@ def table1(matcher: Matcher, models: list[str]) -> Table:
                [("affpool", "token merging", f"{int(r * 100)}%", r) for r in (0.2, 0.4, 0.6, 0.8)]
         for method, cat, ret, r in spec:
             knobs = n_voice_knob(model, r) if method == "wnw" else ()
-            t.rows.append([Out(METHOD_LABELS[method].replace(" (ours)", "")), Out(cat), Out(ret)]
+            t.rows.append([Out(label(method).replace(" (ours)", "")), Out(cat), Out(ret)]
                           + [b.value(Cell(model, role, method, r, knobs)) for role in ("test-clean", "test-other")])
     t.notes += _stand_in_notes(matcher, models, ["test-clean", "test-other"])
     _marks_note(t)
@@ -180,10 +197,10 @@ def table2(matcher: Matcher, models: list[str]) -> Table:
     for model in models:
         if len(models) > 1:
             t.rows.append(f"Backbone: {model_label(model)}")
-        for method in ("full", "adakv", "audiokv", "arkvale", "wnw"):
+        for method in (m.name for m in table_methods(("full", "adakv", "audiokv", "arkvale", "wnw"))):
             r = None if method == "full" else 0.2
             knobs = n_voice_knob(model, 0.2) if method == "wnw" else ()
-            t.rows.append([Out(METHOD_LABELS[method]), Out("100%" if r is None else "~20%")]
+            t.rows.append([Out(label(method)), Out("100%" if r is None else "~20%")]
                           + [b.value(Cell(model, role, method, r, knobs, value=v)) for role, v, _ in cols])
         for role, _, _ in cols:  # the caption's measured retention of WnW, where the run exists
             run = b.chosen.get(Cell(model, role, "wnw", 0.2, n_voice_knob(model, 0.2), value="wer" if role != "en2fr"
@@ -273,9 +290,9 @@ def table6(matcher: Matcher, models: list[str]) -> Table:
     for model in models:
         if len(models) > 1:
             t.rows.append(f"Backbone: {model_label(model)}")
-        for method in ("full", "wnw", "arkvale", "adakv", "audiokv"):
+        for method in (m.name for m in table_methods(("full", "wnw", "arkvale", "adakv", "audiokv"))):
             r = None if method == "full" else 0.2
-            t.rows.append([Out(METHOD_LABELS[method]), Out("100%" if r is None else "~20%")]
+            t.rows.append([Out(label(method)), Out("100%" if r is None else "~20%")]
                           + [b.value(Cell(model, role, method, r)) for role in ("test-clean", "test-other")])
     t.notes += _stand_in_notes(matcher, models, ["test-clean", "test-other"])
     _marks_note(t)
@@ -415,9 +432,8 @@ def to_markdown(t: Table) -> str:
             lines.append("| " + " | ".join(cells) + " |")
             continue
         cells = []
-        for o in row:
-            cells.append(_md_escape(o.text))
-            cells += [""] * (o.span - 1)
+        for o in row:  # Markdown cannot span columns: a spanning value is repeated in each column it spans
+            cells += [_md_escape(o.text)] * o.span
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"{t.n_filled} of {t.n_cells} cells have a run; {len(t.missing)} missing (see missing.md).")

@@ -1,0 +1,175 @@
+"""What `wnw-run` prints, on real processes: a `-m` sweep ends with one table (a row per job, with the job's own
+metrics.json numbers and run directory), each job a `[k/N]` line; Full Cache runs once whatever the retentions
+swept (and a single `method=full` run lands in the same directory); `progress=false` silences every bar."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from wnw_exp.cli.summary import run_summary, sweep_summary, swept_values, table
+from wnw_exp.cli.sweep import full_runs_once, sweep_axes
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TINY = ["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=4", "model.max_new_tokens_per_second=1",
+        "model.min_new_tokens=4", "dataset.n=2"]
+
+
+def wnw_run(*args: str, progress_env: bool = False, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if not progress_env:
+        env["WNW_NO_PROGRESS"] = "1"
+    else:
+        env.pop("WNW_NO_PROGRESS", None)
+    if cache is not None:
+        env["WNW_CACHE"] = str(cache)
+    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", *args], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+def sweep_table(stdout: str) -> tuple[list[str], list[dict]]:
+    """The sweep's closing table: its header line's columns and one dict per row."""
+    lines = stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.endswith(":") and " runs" in ln)
+    header = lines[start + 1].split()
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.strip():
+            break
+        cells = ln.split()
+        rows.append(dict(zip(header[:12], cells[:12]), run_dir=cells[12]))
+    return header, rows
+
+
+def test_a_sweep_ends_with_one_table_and_runs_full_once(tmp_path):
+    root = tmp_path / "runs"
+    out = wnw_run("-m", *TINY, "method=full,adakv", "retention=0.2,0.4", f"runs_root={root}", cache=tmp_path / "c")
+    assert "method=full keeps every audio position: its jobs at retention 0.2, 0.4 run at retention=1.0 " \
+           "(1 repeated job left out)" in out.stdout
+    jobs = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
+    assert [ln[:5] for ln in jobs] == ["[1/3]", "[2/3]", "[3/3]"]
+    header, rows = sweep_table(out.stdout)
+    assert header == ["model", "dataset", "method", "target", "n", "fail", "WER%", "BLEU", "r_gpu", "r_g+c",
+                      "ms/tok", "term", "run", "directory"]
+    assert [(r["method"], r["target"]) for r in rows] == [("full", "1.0"), ("adakv", "0.2"), ("adakv", "0.4")]
+    for r in rows:  # each row is its run directory's metrics.json
+        m = json.loads((root / r["run_dir"] / "metrics.json").read_text())
+        assert r["n"] == str(m["n_samples"]) == "2" and r["fail"] == str(m["n_failed"])
+        assert r["WER%"] == f"{m['wer']:.2f}" and r["r_gpu"] == f"{m['r_gpu']:.3f}" and r["BLEU"] == "-"
+    # Full Cache decoded once: one run directory, at r1.0
+    full_dirs = [p.parent for p in root.rglob("full/*/**/predictions.jsonl")]
+    assert len(full_dirs) == 1 and "/full/r1.0/" in full_dirs[0].as_posix()
+    assert len(full_dirs[0].joinpath("predictions.jsonl").read_text().splitlines()) == 2
+
+    # a single run of method=full at another retention is the same run (resumed: nothing decoded again)
+    single = wnw_run(*TINY, "method=full", "retention=0.6", f"runs_root={root}", cache=tmp_path / "c")
+    assert "run at retention=1.0 (not 0.6)" in single.stderr and "2 of 2 samples already done" in single.stderr
+    assert f"run directory: {full_dirs[0]}" in single.stdout
+    assert len([p for p in root.rglob("full/*/**/predictions.jsonl")]) == 1
+
+
+@pytest.mark.skipif(not any((Path(p) / "hydra_plugins" / "hydra_joblib_launcher").is_dir() for p in sys.path),
+                    reason="hydra-joblib-launcher is not installed (pip install -e '.[launchers]')")
+def test_the_table_also_comes_from_parallel_jobs(tmp_path):
+    """With the joblib launcher the jobs run in worker processes; their rows still reach the table."""
+    root = tmp_path / "runs"
+    out = wnw_run("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "dataset.n=1",
+                  "method=full,adakv", "retention=0.3", f"runs_root={root}", cache=tmp_path / "c")
+    _, rows = sweep_table(out.stdout)
+    assert sorted((r["method"], r["target"]) for r in rows) == [("adakv", "0.3"), ("full", "1.0")]
+    assert sorted(ln[:5] for ln in out.stdout.splitlines() if ln.startswith("[")) == ["[1/2]", "[2/2]"]
+
+
+def test_progress_false_silences_every_bar(tmp_path):
+    """model=tiny loads real weights (transformers' 'Loading weights' bar); progress=false: no bar at all."""
+    args = ["model=tiny", "dataset.n=1", "dataset.min_seconds=3", "dataset.max_seconds=4", f"runs_root={tmp_path}"]
+    loud = wnw_run(*args, progress_env=True, cache=tmp_path / "c")
+    assert "Loading weights" in loud.stderr and "%|" in loud.stderr  # the bars this test is about exist
+    quiet = wnw_run(*args, "progress=false", progress_env=True, cache=tmp_path / "c")
+    assert "%|" not in quiet.stderr and "Loading weights" not in quiet.stderr and "it/s" not in quiet.stderr
+    assert "1 of 1 samples already done" in quiet.stderr and "run directory:" in quiet.stdout
+
+
+def test_full_runs_once_on_composed_configs():
+    jobs = [["method=full", "retention=0.2", "seed=0"], ["method=full", "retention=0.4", "seed=0"],
+            ["method=adakv", "retention=0.2", "seed=0"], ["method=full", "retention=0.2", "seed=1"],
+            ["seed=0"]]  # the default method (wnw)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        def composed(job):
+            cfg = compose("config", overrides=job)
+            return cfg.method.name, cfg.retention
+
+        kept, notes = full_runs_once(jobs, composed)
+        assert kept == [["method=full", "seed=0", "retention=1.0"], ["method=adakv", "retention=0.2", "seed=0"],
+                        ["method=full", "seed=1", "retention=1.0"], ["seed=0"]]
+        assert notes == ["method=full keeps every audio position: its jobs at retention 0.2, 0.4 run at "
+                         "retention=1.0 (1 repeated job left out)"]
+        # Table 5's experiment: 5 methods x 4 retentions x 2 test sets, Full once per test set
+        from test_report import _sweep_jobs
+
+        main = _sweep_jobs("main")
+        kept, _ = full_runs_once(main, composed)
+        assert len(main) == 40 and len(kept) == 4 * 4 * 2 + 2
+        assert sorted(" ".join(sorted(j)) for j in kept if "method=full" in j) == [
+            "+experiment=main dataset.split=test-clean method=full retention=1.0",
+            "+experiment=main dataset.split=test-other method=full retention=1.0"]
+
+
+def test_summary_columns_line_up():
+    rows = [dict(model="tiny", dataset="synthetic-test", method="wnw", retention=0.2, n_samples=8, n_failed=0,
+                 wer=76.7, bleu=None, r_gpu=0.203, r_gpu_cpu=0.378, ms_per_token=21.83, terminated_rate=1.0,
+                 run_dir="/x/y"),
+            dict(model="tiny_random", dataset="librispeech_long-test-clean", method="full", retention=1.0,
+                 n_samples=120, n_failed=3, wer=100.0, bleu=12.5, r_gpu=1.0, r_gpu_cpu=1.0, ms_per_token=None,
+                 terminated_rate=0.0, run_dir="/x/z")]
+    lines = table(rows)
+    # every column ends where its header ends (right-aligned numbers) or starts where it starts (names)
+    for head in ("target", "WER%", "BLEU", "ms/tok", "term"):
+        end = lines[0].index(head) + len(head)
+        assert all(ln[end - 1] != " " and (len(ln) == end or ln[end] == " ") for ln in lines)
+    assert lines[0].index("dataset") == lines[1].index("synthetic") == lines[2].index("librispeech")
+    assert run_summary(rows[0]).splitlines()[-1] == "run directory: /x/y"
+
+
+def test_make_figures_runs_its_sweep_whatever_else_exists(tmp_path):
+    """Another run already under RUNS (what `make run` leaves) does not stop the sweep: the runs the figures need
+    are made, with a line per sweep and per run and the total; a second time they are only resumed."""
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    wnw_run(*TINY, "method=wnw", f"runs_root={runs}", cache=tmp_path / "c")  # something else that exists
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WNW_CACHE=str(tmp_path / "c"), RUNS=str(runs),
+               OUT=str(out), BIN=str(Path(sys.executable).parent), FIGURES_MODEL="tiny_random", FIGURES_N="1",
+               FIGURES_METHODS="adakv", FIGURES_JOBS="1",
+               FIGURES_ARGS="dataset.min_seconds=3 dataset.max_seconds=4 model.max_new_tokens_per_second=1 "
+                            "model.min_new_tokens=4")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_figures.sh"
+    first = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    lines = first.stdout.splitlines()
+    assert lines[0].startswith("make figures: 6 runs on model=tiny_random (synthetic clips per run: 1) in 2 sweeps")
+    assert any(ln.startswith("make figures: sweep 1 of 2: adakv") for ln in lines)
+    assert any(ln.startswith("make figures: sweep 2 of 2: Full Cache") for ln in lines)
+    assert sum(ln.startswith("[") for ln in lines) == 6  # a line per run: 4 adakv, Full plain and with the analysis
+    assert any(ln.startswith("make figures: the sweep took") for ln in lines)
+    assert len(list(runs.rglob("adakv/*/**/metrics.json"))) == 4 and len(list(runs.rglob("full/*/**/metrics.json"))) == 2
+    assert (out / "figures" / "figure3_wer_vs_retention.png").exists()
+    second = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0
+    assert second.stderr.count("1 of 1 samples already done") == 6
+
+
+def test_the_keys_a_sweep_varies_are_shown():
+    jobs = [["method=oracle", "retention=0.2", "method.granularity=token", "seed=0"],
+            ["method=oracle", "retention=0.4", "method.granularity=chunk", "seed=0"]]
+    assert sweep_axes(jobs) == ["method.granularity"]  # method and retention have their own columns
+    assert swept_values(jobs[1], ["method.granularity"]) == "method.granularity=chunk"
+    row = dict(model="m", dataset="d-test", method="oracle", retention=0.4, n_samples=1, n_failed=0, wer=1.0,
+               run_dir="/r/m/x", swept="method.granularity=chunk")
+    text = sweep_summary([row], "/r")
+    assert text.splitlines()[1].split()[-3:] == ["swept", "run", "directory"]
+    assert text.splitlines()[2].split()[-2:] == ["method.granularity=chunk", "m/x"]

@@ -39,7 +39,7 @@ tokens (~1 s of audio) per generated token, about 3x a transcript's pace, so the
 few steps and the tidal heads recall and release segments throughout (`--anchor-speed`, `--anchor-beta`).
 The g_s of a run's steps are computed before its timed loop (they stand in for device-side attention).
 The head scores come from a synthetic head_scores.json written by `synthetic_head_scores` (seeded random VS
-~ Beta(2, 20) and HS ~ LogNormal(-11, 1) per KV head; the file format of calibration/head_scores.py),
+~ Beta(2, 20) and HS ~ LogNormal(-11, 1) per KV head; the file format of wnw_exp/head_scores.py),
 loaded by the policy through `method.head_scores` as a calibrated file would be.
 
 Imports only torch, numpy, transformers, triton and wnw_exp modules that need none of hydra, omegaconf,
@@ -194,7 +194,7 @@ def backbone_info(name: str, cfg) -> dict:
 
 def synthetic_head_scores(info: dict, path: Path, seed: int = 0) -> Path:
     """A head_scores.json for a random-weight model: seeded VS ~ Beta(2, 20), HS ~ LogNormal(-11, 1) per KV head."""
-    from wnw_exp.calibration.head_scores import HeadScores
+    from wnw_exp.head_scores import HeadScores
 
     rng = np.random.default_rng(seed)
     shape = (info["n_layers"], info["n_kv_heads"])

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from wnw_exp.calibration import triage
-from wnw_exp.calibration.head_scores import resolve_head_scores
+from wnw_exp.head_scores import resolve_head_scores
 from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext

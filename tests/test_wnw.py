@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, scores_for, tiny_voxtral
-from wnw_exp.calibration import triage
+from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScoresError
 from wnw_exp.engine.decode import generate
 from wnw_exp.kv.store import AudioKVStore

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import scores_for
 
-from wnw_exp.calibration import triage
+from wnw_exp.methods.wnw import triage
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext

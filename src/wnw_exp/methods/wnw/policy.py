@@ -72,7 +72,7 @@ import math
 import numpy as np
 import torch
 
-from wnw_exp.calibration import triage
+from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import resolve_head_scores
 from wnw_exp.kv.store import AudioKVStore
 from wnw_exp.methods import register

@@ -146,7 +146,7 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
     policy = build_policy(cfg["method"], backbone.describe())
     policy.check(cfg["retention"])
     if cfg.get("analysis") == "mismatch":
-        from wnw_exp.engine.analysis import MismatchRecorder
+        from wnw_exp.methods.mismatch import MismatchRecorder
 
         policy = MismatchRecorder(policy)
     elif cfg.get("analysis") is not None:

@@ -190,10 +190,11 @@ def test_recall_kernel_copies_what_the_host_path_copies():
     ak, av = torch.zeros(40, 16, device=dev), torch.zeros(40, 16, device=dev)
     fill = torch.rand(30, device=dev) < 0.4
     src = torch.randint(0, 50, (30,), device=dev)
-    copy_rows(hk, hv, ak, av, src, fill, 7)
+    dst = torch.randperm(40, device=dev)[:30]
+    copy_rows(hk, hv, ak, av, src, fill, dst)
     want_k, want_v = torch.zeros(40, 16), torch.zeros(40, 16)
     idx = fill.nonzero().flatten().cpu()
-    want_k[idx + 7], want_v[idx + 7] = hk[src.cpu()[idx]], hv[src.cpu()[idx]]
+    want_k[dst.cpu()[idx]], want_v[dst.cpu()[idx]] = hk[src.cpu()[idx]], hv[src.cpu()[idx]]
     assert torch.equal(ak.cpu(), want_k) and torch.equal(av.cpu(), want_v)
 
 

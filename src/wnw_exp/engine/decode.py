@@ -181,6 +181,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
     tokens, step_ms, kept = [], [], []
     terminated = False
     captured = None
+    warm = torch.cuda.Stream(dev) if path.graph else None  # eager steps before a capture run on a side stream
     for i in range(max_new_tokens):
         if keep_logits:
             kept.append(logits.float().cpu())
@@ -195,8 +196,14 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         if captured is not None:
             captured()
         elif path.graph and i >= WARM_STEPS:
+            torch.cuda.current_stream(dev).wait_stream(warm)
             captured = CapturedStep(lambda: decode_one(None))
             captured()
+        elif warm is not None:  # PyTorch's recipe: warm up on a side stream before capturing
+            warm.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(warm):
+                decode_one(i)
+            torch.cuda.current_stream(dev).wait_stream(warm)
         else:
             decode_one(i)
         logits = step.logits

@@ -88,7 +88,7 @@ class PackedAudioKVStore(StepAccounting):
         self.dense_v: torch.Tensor | None = None
         self.dense_len = torch.zeros(1, device=dev, dtype=torch.long)
         self.dense_len_next = torch.ones(1, device=dev, dtype=torch.long)
-        self._dense_n = 0  # host copy of dense_len for the eager path
+        self._dense_n = 0  # host copy of dense_len for the eager `attend` (not advanced by graph replays)
         self.layer_audio = [N] * L
         # Per-step records on the device: resident audio tokens and recalled rows; `steps` reads them back.
         self._recalled = torch.zeros((), device=dev, dtype=torch.int64)  # rows recalled so far (cumulative)
@@ -100,10 +100,8 @@ class PackedAudioKVStore(StepAccounting):
     def _set_layout(self) -> None:
         self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
         self._offsets = torch.as_tensor(self.base[:-1], dtype=torch.int32, device=self.device)
-        self.slot_row = torch.as_tensor(np.repeat(np.arange(len(self.caps)), self.caps), device=self.device)
-        self.slot_local = torch.as_tensor(np.arange(self.base[-1]) - np.repeat(self.base[:-1], self.caps),
-                                          device=self.device)
         self._max_cap = int(self.caps.max()) if len(self.caps) else 0
+        self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
 
     # --- writing ------------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
@@ -150,6 +148,7 @@ class PackedAudioKVStore(StepAccounting):
         self.n_resident[r] = n
         self.audio_len[layer, head] = n
         self._union = None
+        self._blocks = None
 
     def compact(self, headroom: int | np.ndarray = 0) -> None:
         """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory).
@@ -171,6 +170,8 @@ class PackedAudioKVStore(StepAccounting):
             self._set_layout()
         self.audio_len.view(-1).copy_(torch.as_tensor(n_res, device=self.device))
         self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
+        self._blocks = None
+        self._flush_blocks()
 
     # --- moving between tiers -----------------------------------------------------------------
     def row(self, layer: int, head: int) -> int:
@@ -189,8 +190,8 @@ class PackedAudioKVStore(StepAccounting):
         new = ~(self.slot_of[r, p] >= 0) & ~self.queued_recall[r, p]
         if sel is not None:
             new &= sel
-        if _capturing():
-            self.queued_recall.index_put_((r, p), self.queued_recall[r, p] | new)
+        if _capturing():  # no host read: what has no host copy is not queued (it cannot be recalled)
+            self.queued_recall.index_put_((r, p), self.queued_recall[r, p] | (new & self.on_host[r, p]))
             return None
         if not bool(self.on_host[r, p][new].all()):
             raise ValueError("recall: positions have no host copy (they were dropped)")
@@ -210,28 +211,48 @@ class PackedAudioKVStore(StepAccounting):
             new &= sel
         if not _capturing() and not bool(self.on_host[r, p][sel if sel is not None else slice(None)].all()):
             raise ValueError("release: a position without a host copy would be lost; drop it explicitly instead")
-        self.queued_release.index_put_((r, p), self.queued_release[r, p] | new)
+        self.queued_release.index_put_((r, p), self.queued_release[r, p] | (new & self.on_host[r, p]))
         return None if _capturing() else int(new.sum())
+
+    def _flush_blocks(self) -> dict:
+        """Per flush scope (None: every layer; a layer), the rows that can move — those with a host copy, the only
+        ones a recall or release may touch — and their slots, as device index tensors; None where no row can move
+        (Full, AdaKV: a flush is then free)."""
+        if self._blocks is None:
+            movable = self.on_host.any(dim=1).cpu().numpy()
+            H = self.n_kv_heads
+            self._blocks = {}
+            for key, (r0, r1) in [(None, (0, self.n_rows))] + [(li, (li * H, (li + 1) * H)) for li in range(self.n_layers)]:
+                rows = r0 + np.flatnonzero(movable[r0:r1])
+                if len(rows) == 0:
+                    self._blocks[key] = None
+                    continue
+                caps = self.caps[rows]
+                slots = np.concatenate([np.arange(self.base[r], self.base[r] + c) for r, c in zip(rows, caps)])
+                t = lambda x: torch.as_tensor(x, device=self.device)  # noqa: E731
+                self._blocks[key] = dict(rows=t(rows), slots=t(slots), row=t(np.repeat(np.arange(len(rows)), caps)),
+                                         local=t(np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps)),
+                                         start=t(np.cumsum(caps) - caps))
+        return self._blocks
 
     def flush(self, layer: int | None = None) -> None:
         """Apply the queued moves of one layer's heads (or of all): recalls into free slots, then releases.
-        Fixed-shape tensor ops only; with the zero-copy kernel (CUDA + Triton) no host read at all."""
-        H, N, dev = self.n_kv_heads, self.n_audio, self.device
-        r0, r1 = (0, self.n_rows) if layer is None else (layer * H, (layer + 1) * H)
-        s0, s1 = int(self.base[r0]), int(self.base[r1])
-        n = r1 - r0
-        if n == 0 or s1 == s0:
+        Fixed-shape tensor ops on the heads that can move; with the zero-copy kernel (CUDA + Triton) no host read."""
+        b = self._flush_blocks()[layer]
+        if b is None:
             return
-        rec_q, rel_q = self.queued_recall[r0:r1], self.queued_release[r0:r1]
-        pos = self.audio_pos[s0:s1]  # (S,) the block's slots
-        row = self.slot_row[s0:s1] - r0  # row of each slot within the block
+        N, dev = self.n_audio, self.device
+        rows, slots, row, local = b["rows"], b["slots"], b["row"], b["local"]
+        n = len(rows)
+        rec_q, rel_q = self.queued_recall[rows], self.queued_release[rows]
+        pos = self.audio_pos[slots]  # (S,) the block's slots
         # 1. recalls: the k-th recalled position of a row (ascending) goes to its k-th free slot (ascending)
-        rec = rec_q & (self.slot_of[r0:r1] < 0)
+        rec = rec_q & (self.slot_of[rows] < 0)
         rank = rec.long().cumsum(dim=1) - 1  # (n, N)
         n_rec = rec.sum(dim=1)
         free = pos < 0
         cf = free.long().cumsum(0)
-        before = torch.cat([cf.new_zeros(1), cf])[torch.as_tensor(self.base[r0:r1] - s0, device=dev)]
+        before = torch.cat([cf.new_zeros(1), cf])[b["start"]]  # free slots before each row's first slot
         n_free = torch.cat([before[1:], cf[-1:]]) - before
         free_rank = cf - 1 - before[row]  # (S,) rank of a free slot among its row's free slots
         fill = free & (free_rank < n_rec[row])
@@ -241,42 +262,41 @@ class PackedAudioKVStore(StepAccounting):
         pos_for = torch.empty(n, 2 * N, device=dev, dtype=torch.int32)
         pos_for.scatter_(1, torch.where(rec, rank, N + cols), cols.int())
         got = pos_for.view(-1)[row * 2 * N + free_rank.clamp(min=0, max=N - 1)]
-        self._copy_rows(fill, s0, r0, row, got)
-        pos.copy_(torch.where(fill, got, pos))
+        self._copy_rows(fill, slots, rows[row] * N + got.long().clamp(min=0))
+        pos = torch.where(fill, got, pos)
         self._recalled += fill.sum()
         # 2. releases: free the slots of the positions queued for release
         occupied = pos >= 0
         freed = occupied & rel_q.reshape(-1)[torch.where(occupied, row * N + pos.long(), 0)]
-        pos.masked_fill_(freed, -1)
-        rec_q.zero_()
-        rel_q.zero_()
+        pos = pos.masked_fill(freed, -1)
+        self.audio_pos.index_copy_(0, slots, pos)
+        self.queued_recall.index_fill_(0, rows, False)
+        self.queued_release.index_fill_(0, rows, False)
         # 3. the block's bookkeeping, rebuilt from its slots
         occupied = pos >= 0
-        local = self.slot_local[s0:s1]
         slot_of = torch.full((n * N + len(pos),), -1, device=dev, dtype=torch.int32)  # free slots: distinct spares
         slot_of.scatter_(0, torch.where(occupied, row * N + pos.long(), n * N + torch.arange(len(pos), device=dev)),
                          local.int())
-        self.slot_of[r0:r1] = slot_of[: n * N].view(n, N)
-        self.n_resident[r0:r1] = torch.zeros(n, device=dev, dtype=torch.int64).index_add_(0, row, occupied.long())
+        self.slot_of.index_copy_(0, rows, slot_of[: n * N].view(n, N))
+        self.n_resident.index_copy_(0, rows, torch.zeros(n, device=dev, dtype=torch.int64).index_add_(0, row, occupied.long()))
         high = torch.where(occupied, local + 1, 0)  # each head's scan length: one past its highest occupied slot
-        self.audio_len.view(-1)[r0:r1] = torch.zeros(n, device=dev, dtype=torch.int64).scatter_reduce_(
-            0, row, high, "amax").int()
+        hw = torch.zeros(n, device=dev, dtype=torch.int64).scatter_reduce_(0, row, high, "amax")
+        self.audio_len.view(-1).index_copy_(0, rows, hw.int())
 
-    def _copy_rows(self, fill: torch.Tensor, s0: int, r0: int, row: torch.Tensor, got: torch.Tensor) -> None:
-        """audio_k/v[s0 + i] = host mirror[row, position] for the slots i that a flush `fill`s."""
+    def _copy_rows(self, fill: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """audio_k/v[slots[i]] = host mirror row src[i] for the slots i that a flush `fill`s."""
         D = self.head_dim
-        src = (row + r0) * self.n_audio + got.long().clamp(min=0)  # (S,) row of the flat host mirror
         if self.graph_safe:  # one kernel over the block's slots, reading the pinned host memory directly
             from wnw_exp.kv.triton_attention import copy_rows
 
-            copy_rows(self.host_k.view(-1, D), self.host_v.view(-1, D), self.audio_k, self.audio_v, src, fill, s0)
+            copy_rows(self.host_k.view(-1, D), self.host_v.view(-1, D), self.audio_k, self.audio_v, src, fill, slots)
             return
         where = fill.nonzero().view(-1)  # a host read: the CPU, or CUDA without Triton
         if len(where) == 0:
             return
-        src = src[where].cpu()
-        self.audio_k.index_copy_(0, where + s0, self.host_k.view(-1, D)[src].to(self.device, non_blocking=True))
-        self.audio_v.index_copy_(0, where + s0, self.host_v.view(-1, D)[src].to(self.device, non_blocking=True))
+        src, dst = src[where].cpu(), slots[where]
+        self.audio_k.index_copy_(0, dst, self.host_k.view(-1, D)[src].to(self.device, non_blocking=True))
+        self.audio_v.index_copy_(0, dst, self.host_v.view(-1, D)[src].to(self.device, non_blocking=True))
 
     def check(self) -> None:
         """Raise if a flush ever found a head's free slots too few for its recalls (a host read)."""
@@ -304,8 +324,8 @@ class PackedAudioKVStore(StepAccounting):
         self.dense_v[layer].index_copy_(1, self.dense_len, v_new[:, None])
 
     def dense_keys(self, layer: int) -> torch.Tensor:
-        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
-        return self.dense_k[layer, :, : self._dense_n]
+        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE; a host read of the length)."""
+        return self.dense_k[layer, :, : int(self.dense_len)]
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
                observe: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -324,17 +344,20 @@ class PackedAudioKVStore(StepAccounting):
         return out, probs
 
     def advance(self) -> None:
-        """The step's token is in every layer's dense part: the next step appends after it (graph-safe)."""
+        """The step's token is in every layer's dense part: the next step appends after it (graph-safe; the host
+        count `_dense_n`, which only the eager `attend` reads, follows eager steps)."""
         self.dense_len += 1
         self.dense_len_next += 1
-        self._dense_n += 1
+        if not _capturing():
+            self._dense_n += 1
 
     # --- accounting (§3.4) --------------------------------------------------------------------
     def record_step(self) -> None:
         """Close a decode step on the device: its resident audio tokens and the rows recalled so far (graph-safe;
         the moves it queued must be flushed first)."""
-        self._rec_n_gpu.index_fill_(0, self._n_rec, 0).index_add_(0, self._n_rec, self.n_resident.sum().view(1))
-        self._rec_rows.index_fill_(0, self._n_rec, 0).index_add_(0, self._n_rec, self._recalled.view(1))
+        at = self._n_rec.view(1)
+        self._rec_n_gpu.index_copy_(0, at, self.n_resident.sum().view(1))
+        self._rec_rows.index_copy_(0, at, self._recalled.view(1))
         self._n_rec += 1
 
     def end_step(self) -> StepRecord:

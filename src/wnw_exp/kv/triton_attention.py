@@ -171,26 +171,27 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
 
 
 @triton.jit
-def _copy_rows_kernel(hk_ptr, hv_ptr, ak_ptr, av_ptr, src_ptr, fill_ptr, slot0, n_slots,
+def _copy_rows_kernel(hk_ptr, hv_ptr, ak_ptr, av_ptr, src_ptr, fill_ptr, dst_ptr, n_slots,
                       D: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n_slots
     ok = ok & (tl.load(fill_ptr + i, mask=ok, other=0) != 0)
     src = tl.load(src_ptr + i, mask=ok, other=0).to(tl.int64)
+    dst = tl.load(dst_ptr + i, mask=ok, other=0).to(tl.int64)
     cols = tl.arange(0, D)
     m = ok[:, None]
-    dst = (slot0 + i).to(tl.int64)[:, None] * D + cols[None, :]
-    tl.store(ak_ptr + dst, tl.load(hk_ptr + src[:, None] * D + cols[None, :], mask=m), mask=m)
-    tl.store(av_ptr + dst, tl.load(hv_ptr + src[:, None] * D + cols[None, :], mask=m), mask=m)
+    at = dst[:, None] * D + cols[None, :]
+    tl.store(ak_ptr + at, tl.load(hk_ptr + src[:, None] * D + cols[None, :], mask=m), mask=m)
+    tl.store(av_ptr + at, tl.load(hv_ptr + src[:, None] * D + cols[None, :], mask=m), mask=m)
 
 
 def copy_rows(host_k: torch.Tensor, host_v: torch.Tensor, audio_k: torch.Tensor, audio_v: torch.Tensor,
-              src: torch.Tensor, fill: torch.Tensor, slot0: int) -> None:
-    """audio_k/v[slot0 + i] = host_k/v[src[i]] where fill[i] (i < len(fill)); host_k/v (n, D) pinned host memory,
-    read by the GPU itself (or, in Triton's interpreter, CPU tensors). Masked rows read nothing."""
+              src: torch.Tensor, fill: torch.Tensor, dst: torch.Tensor) -> None:
+    """audio_k/v[dst[i]] = host_k/v[src[i]] where fill[i]; host_k/v (n, D) pinned host memory, read by the GPU
+    itself (in Triton's interpreter: CPU tensors). Rows not filled read and write nothing."""
     n, D = len(fill), audio_k.shape[1]
     assert audio_k.is_contiguous() and audio_v.is_contiguous() and host_k.is_contiguous() and host_v.is_contiguous()
     BLOCK = 16
     _copy_rows_kernel[(max(1, triton.cdiv(n, BLOCK)),)](host_k, host_v, audio_k, audio_v, src.contiguous(),
-                                                        fill.contiguous().view(torch.uint8), slot0, n, D=D,
-                                                        BLOCK=BLOCK)
+                                                        fill.contiguous().view(torch.uint8), dst.contiguous(), n,
+                                                        D=D, BLOCK=BLOCK)

@@ -329,9 +329,6 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
             section(results, f"{p}/fused_vs_reference", lambda: fused_vs_reference(bb, prompt, a.check_steps), out)
         if a.hf_steps:
             section(results, f"{p}/hf_generate", lambda: hf_generate(model, prompt.input_ids, a.hf_steps, a.repeats), out)
-            if lead and _cuda():
-                section(results, f"{p}/hf_generate_static_compiled",
-                        lambda: hf_generate(model, prompt.input_ids, a.hf_steps, a.repeats, compiled=True), out)
         if lead:
             section(results, f"{p}/engine_reference_full",
                     lambda: engine_row(bb, prompt, a.engine_steps, store="reference", fused=False), out)
@@ -347,6 +344,9 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
         section(results, f"{p}/engine_wnw_r{r}_pipelined", lambda: engine_row(bb, prompt, a.steps, wnw(lag=2), r), out)
         section(results, f"{p}/engine_wnw_r{r}_recall_off",
                 lambda: engine_row(bb, prompt, a.steps, wnw(recall=False), r), out)
+        if lead and a.hf_steps and _cuda():  # last: torch.compile takes a while
+            section(results, f"{p}/hf_generate_static_compiled",
+                    lambda: hf_generate(model, prompt.input_ids, a.hf_steps, a.repeats, compiled=True), out)
         if lead and a.sweep:
             for n_t in [int(n) for n in a.sweep.split(",")]:
                 kw = dict(n_voice=n_t + a.sweep_anchors, n_anchor=a.sweep_anchors)

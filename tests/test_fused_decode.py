@@ -245,24 +245,33 @@ def test_decode_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path):
     assert not res["tiny/200/engine_reference_full"]["fused"]
 
 
+def _agree(a, b, min_tokens: int):
+    """bf16 runs: tokens may part on near-ties; logits are compared while the inputs agree."""
+    same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+    assert same >= min_tokens, (a.tokens, b.tokens)
+    for x, y in zip(a.logits[:same + 1], b.logits[:same + 1]):
+        assert (x - y).abs().max() <= 0.05 * x.abs().max() + 0.02
+    return same
+
+
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="CUDA graphs and bf16 Triton kernels need CUDA")
-@pytest.mark.parametrize("method", ["full", "wnw", "arkvale"])
-def test_cuda_graph_path_matches_the_eager_fused_path(method):
-    """The default CUDA path (fused step in one CUDA graph per token, the method's decisions and the store's moves
-    inside it) against the same step run eagerly, and against the reference step on the reference store."""
+@pytest.mark.parametrize("method", ["full", "wnw", "arkvale", "oracle"])
+def test_cuda_default_path_matches_the_eager_and_the_reference_paths(method):
+    """wnw-run's CUDA default (fused step; one CUDA graph per token holding the method's decisions and the store's
+    moves when the method is graph-safe, else the fused step eagerly) against the same step run eagerly, and
+    against the reference step on the reference store."""
+    from wnw_exp.engine.decode import decode_path
+
     backbone = tiny_voxtral()
     backbone.model.to("cuda", torch.bfloat16)
     backbone.eos_token_ids = [-1]
     prompt = backbone.build_prompt(noise_audio(20.0))
-    runs = _runs(backbone, prompt, method, dict(graph={}, eager=dict(graph=False)), n_new=12)
-    (g, pg), (e, pe) = runs["graph"], runs["eager"]
-    from wnw_exp.engine.decode import decode_path
-
-    assert decode_path(backbone.device, pg).graph
-    assert g.tokens == e.tokens and g.trace == e.trace  # the same kernels, launched from a graph
-    for a, b in zip(g.logits, e.logits):
-        assert torch.equal(a, b)
-    ref, _ = _runs(backbone, prompt, method, dict(ref=dict(store="reference", fused=False)), n_new=12)["ref"]
-    same = next((i for i, (a, b) in enumerate(zip(ref.tokens, g.tokens)) if a != b), len(ref.tokens))
-    for a, b in zip(ref.logits[:same + 1], g.logits[:same + 1]):  # bf16: logits while the inputs agree
-        assert (a - b).abs().max() <= 0.05 * a.abs().max() + 0.02
+    runs = _runs(backbone, prompt, method, dict(default={}, eager=dict(graph=False),
+                                                 reference=dict(store="reference", fused=False)), n_new=12)
+    (d, pd), (e, _), (r, _) = runs["default"], runs["eager"], runs["reference"]
+    assert decode_path(backbone.device, pd).graph == (method != "oracle")
+    if _agree(d, e, 6) == 12:
+        assert d.trace == e.trace  # the same decisions from the graph as from eager launches
+    _agree(d, r, 2)
+    if method in ("wnw", "arkvale"):
+        assert d.store_summary["mb_per_step"] > 0  # recalls ran inside the graph

@@ -195,7 +195,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         t0 = time.perf_counter()
         if captured is not None:
             captured()
-        elif path.graph and i >= WARM_STEPS:
+        elif path.graph and i >= WARM_STEPS and store.graph_safe:  # (a store may have fallen back to host copies)
             torch.cuda.current_stream(dev).wait_stream(warm)
             captured = CapturedStep(lambda: decode_one(None))
             captured()

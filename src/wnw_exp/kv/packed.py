@@ -34,6 +34,7 @@ count and recalled rows into device buffers (`record_step`, graph-safe); `steps`
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import numpy as np
 import torch
@@ -172,6 +173,29 @@ class PackedAudioKVStore(StepAccounting):
         self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
         self._blocks = None
         self._flush_blocks()
+        if self.graph_safe:
+            self._probe_zero_copy()
+
+    def _probe_zero_copy(self) -> None:
+        """Copy one host-mirror row with the zero-copy kernel before any graph needs it; where the GPU cannot
+        read the pinned memory, fall back to host-staged copies (and the engine to steps without a graph)."""
+        from wnw_exp.kv.triton_attention import copy_rows
+
+        D = self.head_dim
+        k, v = torch.zeros(1, D, device=self.device, dtype=self.dtype), torch.zeros(1, D, device=self.device, dtype=self.dtype)
+        one = torch.ones(1, device=self.device, dtype=torch.bool)
+        at = torch.zeros(1, device=self.device, dtype=torch.long)
+        try:
+            copy_rows(self.host_k.view(-1, D), self.host_v.view(-1, D), k, v, at, one, at)
+            ok = torch.equal(k.cpu(), self.host_k.view(-1, D)[:1]) and torch.equal(v.cpu(), self.host_v.view(-1, D)[:1])
+        except Exception as e:  # noqa: BLE001 - any failure means: do not rely on it
+            ok, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "the copied row differs"
+        if not ok:
+            warnings.warn(f"packed store: the GPU cannot read the pinned host mirror ({why}); recalls are staged "
+                          "through the host, and decode steps run without a CUDA graph", stacklevel=2)
+            self.graph_safe = False
 
     # --- moving between tiers -----------------------------------------------------------------
     def row(self, layer: int, head: int) -> int:

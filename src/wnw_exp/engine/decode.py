@@ -209,8 +209,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         logits = step.logits
         _sync(dev)
         step_ms.append((time.perf_counter() - t0) * 1e3)
-    if hasattr(store, "check"):
-        store.check()
+    store.check()
 
     trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
                  n_audio=prompt.n_audio, n_full=store.n_full,

@@ -58,6 +58,9 @@ class KVStore(Protocol):
     def flush(self, layer: int | None = None) -> None:
         """Apply the queued moves (of one layer, or all) before the attention that must see them."""
 
+    def check(self) -> None:
+        """After decoding: raise if a move could not be made (a captured flush cannot raise when it happens)."""
+
     def dense_keys(self, layer: int) -> torch.Tensor:
         """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
 

@@ -114,6 +114,9 @@ class AudioKVStore(StepAccounting):
     def flush(self, layer: int | None = None) -> None:
         """Nothing is ever queued."""
 
+    def check(self) -> None:
+        """Every move raised at once if it could not be made."""
+
     def _per_head(self, fn, rows, positions, select) -> int:
         rows, pos = flat_pairs(rows, positions, select)
         order = np.argsort(rows, kind="stable")  # by head, each head's positions in the order given

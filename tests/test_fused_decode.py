@@ -2,8 +2,8 @@
 
 - the fused step (its kernels' PyTorch equivalents) gives the reference step's tokens, logits, accounting and
   method decisions, on both backbone families (tests/test_engine.py checks both against transformers' generate());
-- each Triton kernel of the step, the packed store's recall kernel, and the whole fused step in Triton match their
-  PyTorch equivalents: on CUDA, else in Triton's interpreter; skipped cleanly without triton;
+- each Triton kernel of the step, the packed store's one-kernel flush, and the whole fused step in Triton match
+  their PyTorch equivalents: on CUDA, else in Triton's interpreter; skipped cleanly without triton;
 - the packed store's PyTorch attention matches the reference store, free slots skipped;
 - `decode_speed.py --smoke` runs every row at tiny dims on the CPU, importing nothing that the GPU machine lacks
   (hydra, omegaconf, soxr, soundfile, espeak, jiwer);
@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,24 +179,56 @@ def test_torch_attention_matches_the_kernel_and_the_reference_store(free_slots):
     torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=1e-5)
 
 
-def test_recall_kernel_copies_what_the_host_path_copies():
-    """`copy_rows` (the packed store's zero-copy recall on CUDA) = indexing the host mirror (the CPU path)."""
+def test_triton_flush_moves_what_the_torch_flush_moves():
+    """The packed store's one-kernel flush (kv/triton_moves.py, reading the host mirror itself on CUDA) = its
+    PyTorch flush (the specification), move for move: random recalls and releases on every head with a host tier,
+    a head too full for its recalls (overflow), per layer and for all layers, then attention over the result."""
     dev = _triton_env()
-    from wnw_exp.kv.triton_attention import copy_rows
+    from wnw_exp.kv.packed import PackedAudioKVStore
 
-    torch.manual_seed(4)
-    hk, hv = torch.randn(50, 16), torch.randn(50, 16)
-    if HAS_CUDA:
-        hk, hv = hk.pin_memory(), hv.pin_memory()
-    ak, av = torch.zeros(40, 16, device=dev), torch.zeros(40, 16, device=dev)
-    fill = torch.rand(30, device=dev) < 0.4
-    src = torch.randint(0, 50, (30,), device=dev)
-    dst = torch.randperm(40, device=dev)[:30]
-    copy_rows(hk, hv, ak, av, src, fill, dst)
-    want_k, want_v = torch.zeros(40, 16), torch.zeros(40, 16)
-    idx = fill.nonzero().flatten().cpu()
-    want_k[dst.cpu()[idx]], want_v[dst.cpu()[idx]] = hk[src.cpu()[idx]], hv[src.cpu()[idx]]
-    assert torch.equal(ak.cpu(), want_k) and torch.equal(av.cpu(), want_v)
+    L, H, D, n_audio, pre = 2, 3, 16, 70, 2
+    g = torch.Generator().manual_seed(6)
+    stores = {}
+    for kernels in ("torch", "triton"):
+        st = PackedAudioKVStore(L, H, D, n_audio, dev, torch.float32, dense_capacity=8, kernels=kernels)
+        gen = torch.Generator().manual_seed(7)
+        for li in range(L):
+            k = torch.randn(H, n_audio + pre + 1, D, generator=gen).to(dev)
+            st.write_prefill(li, k, k * 2, (pre, pre + n_audio))
+            for h in range(H):
+                perm = torch.randperm(n_audio, generator=gen)
+                if h == 2 and li == 0:
+                    st.set_tiers(li, h, perm[:20])  # no host tier: never moves
+                else:
+                    st.set_tiers(li, h, perm[:15], perm[10:60])  # a mirrored overlap and a host-only part
+        st.compact(headroom=np.array([45] * (L * H - 1) + [2]))  # the last head: too little room
+        stores[kernels] = st
+    for step in range(6):
+        for st in stores.values():
+            gen = torch.Generator().manual_seed(100 + step)
+            for r in range(L * H):
+                if not st.on_host[r].any():
+                    continue
+                sel_rec = torch.rand(n_audio, generator=gen) < 0.15
+                sel_rel = torch.rand(n_audio, generator=gen) < 0.15
+                pos = torch.arange(n_audio, device=dev)
+                if r != L * H - 1:
+                    st.recall(r, pos, select=(sel_rec.to(dev) & st.on_host[r]))
+                else:  # queued past the host-side room check, as a captured graph would
+                    st.queued_recall[r] |= sel_rec.to(dev) & st.on_host[r] & (st.slot_of[r] < 0)
+                st.release(r, pos, select=(sel_rel.to(dev) & st.on_host[r] & (st.slot_of[r] >= 0)
+                                           & ~st.queued_recall[r]))
+            st.flush(step % L if step % 3 else None)
+            st.flush()
+        a, b = stores["torch"], stores["triton"]
+        for name in ("slot_of", "audio_pos", "n_resident", "audio_len", "overflow", "_recalled"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+        assert torch.equal(a.audio_k[a.audio_pos >= 0], b.audio_k[b.audio_pos >= 0])
+        assert torch.equal(a.audio_v[a.audio_pos >= 0], b.audio_v[b.audio_pos >= 0])
+        assert not a.queued_recall.any() and not b.queued_recall.any() and not b.queued_release.any()
+    assert int(b.overflow) > 0 and int(b._recalled) > 0
+    with pytest.raises(RuntimeError, match="region is full"):
+        b.check()
 
 
 @pytest.mark.parametrize("case", ["voxtral-full", "voxtral-wnw", "qwen_omni-arkvale"])

@@ -291,3 +291,49 @@ def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
                 assert _resident(ref, li, h) == _resident(packed, li, h)
         assert ref.end_step() == packed.end_step()
     assert dev.knobs() == host.knobs() and host.knobs()["recalled_pages"] > 0
+
+
+def test_arkvale_swap_kernel_is_swap_pages_and_its_queueing():
+    """The one-kernel swap of the packed store's Triton path (methods/arkvale/kernels.py, in Triton's interpreter
+    without CUDA) = `swap_pages` plus its store calls: the same page scores, the same pages, the same queued
+    positions, the same resident pages; ties (equal scores) broken alike."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional `gpu` extra)")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
+    from wnw_exp.methods.arkvale.kernels import swap
+
+    (_, ref), (dev, packed) = _arkvale_pair(seed=2)
+    kern_policy, kern_store = _arkvale_pair(seed=2)[1]
+    g = torch.Generator().manual_seed(9)
+    H, n_pages = 2, len(dev.bounds) - 1
+    for step in range(6):
+        for li in range(2):
+            q = torch.randn(4, 8, generator=g)
+            hi, lo = dev.digests[li]
+            want = page_scores(q.view(H, 2, -1), hi, lo)
+            scratch: dict = {}
+            if step % 2:  # tied scores: whole runs of equal values
+                want = torch.randint(0, 3, (H, n_pages), generator=g).float()
+                swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
+                     kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch, scores=want)
+            else:
+                swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
+                     kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch)
+                torch.testing.assert_close(scratch["scores"][:, :n_pages], want, rtol=1e-5, atol=1e-5)
+                want = scratch["scores"][:, :n_pages].clone()  # the selection on the kernel's own scores
+            victims, missing = dev.swap_pages(li, want)
+            rows = dev._head + li * H
+            packed.release(rows, dev._pos, select=victims[:, dev._page_of])
+            packed.recall(rows, dev._pos, select=missing[:, dev._page_of])
+            dev._recalled += missing.sum()
+            assert torch.equal(kern_store.queued_recall, packed.queued_recall)
+            assert torch.equal(kern_store.queued_release, packed.queued_release)
+            assert torch.equal(kern_policy.resident[li], dev.resident[li])
+            packed.flush(li)
+            kern_store.flush(li)
+            assert torch.equal(kern_store.slot_of, packed.slot_of)
+    assert int(kern_policy._recalled) == int(dev._recalled) > 0

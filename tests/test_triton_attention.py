@@ -136,7 +136,7 @@ def test_packed_store_matches_reference_through_moves():
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     T = pre + n_audio + post
     ref = AudioKVStore(L, H, D, n_audio, torch.device("cpu"), dtype, dense_capacity=8)
-    fast = PackedAudioKVStore(L, H, D, n_audio, DEVICE, dtype, dense_capacity=8, attention="triton")
+    fast = PackedAudioKVStore(L, H, D, n_audio, DEVICE, dtype, dense_capacity=8, kernels="triton")
     for li in range(L):
         k, v = torch.randn(H, T, D).to(dtype), torch.randn(H, T, D).to(dtype)
         ref.write_prefill(li, k, v, (pre, pre + n_audio))
@@ -177,7 +177,7 @@ def test_packed_store_sizes_each_head_on_its_own():
     from wnw_exp.kv.packed import PackedAudioKVStore
 
     L, H, D, n_audio = 2, 4, 16, 200
-    fast = PackedAudioKVStore(L, H, D, n_audio, DEVICE, torch.float32, dense_capacity=4, attention="triton")
+    fast = PackedAudioKVStore(L, H, D, n_audio, DEVICE, torch.float32, dense_capacity=4, kernels="triton")
     for li in range(L):
         fast.write_prefill(li, torch.randn(H, n_audio + 2, D).to(DEVICE), torch.randn(H, n_audio + 2, D).to(DEVICE),
                            (1, n_audio + 1))

@@ -119,7 +119,7 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         from wnw_exp.kv.packed import PackedAudioKVStore
 
         store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1,
-                                   attention=path.kernels)
+                                   kernels=path.kernels)
     else:
         from wnw_exp.kv.reference import AudioKVStore
 

@@ -1,6 +1,6 @@
 """The GPU KV-tier store (`kv.base.KVStore`): packed device buffers, device-side bookkeeping, and queued moves
-applied by fixed-shape tensor ops, so that a decode step, a method's decisions and the moves they make can all
-be captured in one CUDA graph (no host read anywhere on that path).
+applied on the device, so that a decode step, a method's decisions and the moves they make can all be captured
+in one CUDA graph (no host read anywhere on that path).
 
 Layout (row r = layer * H_kv + head):
 - dense part: one (L, H_kv, C_dense, D) buffer; one device counter `dense_len` shared by all layers (every layer
@@ -19,11 +19,12 @@ heads that can recall, so the device memory held really drops (the old buffers a
 some heads (WnW's anchors) keep all their audio.
 
 Moves: `recall` / `release` mark (row, position) pairs in two device masks (a fixed-shape `select` mask lets a
-device-side method queue without a host read). `flush` applies them: recalls first, each head's recalled
-positions (ascending) into its free slots (lowest first), then releases free their slots. The recalled keys and
-values come from the host mirror: on CUDA (with Triton) a kernel reads the pinned host memory directly
-(zero-copy over PCIe, no host involvement: graph-safe); elsewhere (the CPU, or CUDA without Triton) the host
-reads how many rows to move and copies them (not graph-safe). A recall that does not fit a head's free slots
+device-side method queue without a host read). `flush` applies them, on the heads that can move (those with a
+host copy): recalls first, each head's recalled positions (ascending) into its free slots (lowest first), then
+releases free their slots. With `kernels="triton"` one kernel does it (kv/triton_moves.py), the GPU reading the
+recalled K/V from the pinned host mirror itself (zero-copy over PCIe, no host involvement: graph-safe); with
+`kernels="torch"` fixed-shape PyTorch ops do it (the specification), the host copying the recalled rows (not
+graph-safe). A recall that does not fit a head's free slots
 raises at once when moves are queued from the host, and is counted in `overflow` (checked by `check()`) when
 they are queued inside a captured graph.
 
@@ -54,18 +55,19 @@ class PackedAudioKVStore(StepAccounting):
     queues_moves = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
-                 dtype: torch.dtype, dense_capacity: int, attention: str = "auto"):
-        """`attention`: "triton" (the kernels of kv/triton_attention.py: CUDA, or Triton's interpreter on a CPU),
-        "torch" (`attention_torch`, their specification) or "auto" (triton on CUDA when installed, else torch)."""
+                 dtype: torch.dtype, dense_capacity: int, kernels: str = "auto"):
+        """`kernels`: "triton" (attention: kv/triton_attention.py; flush and zero-copy recall: kv/triton_moves.py;
+        on CUDA, or in Triton's interpreter on a CPU), "torch" (`attention_torch` and the PyTorch flush, their
+        specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch)."""
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
-        if attention == "auto":
-            attention = "triton" if _triton_usable(self.device) else "torch"
-        if attention not in ("triton", "torch"):
-            raise ValueError(f"unknown attention {attention!r}: triton, torch or auto")
-        self.attention = attention
-        # Recalls copy from the pinned host mirror inside the graph only with the zero-copy kernel.
-        self.graph_safe = _triton_usable(self.device)
+        if kernels == "auto":
+            kernels = "triton" if _triton_usable(self.device) else "torch"
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"unknown kernels {kernels!r}: triton, torch or auto")
+        self.kernels = self.moves = kernels  # `moves`: the flush's implementation (torch after a failed probe)
+        # A graph can hold the moves only where the GPU reads the pinned host mirror itself (the Triton flush).
+        self.graph_safe = kernels == "triton" and self.device.type == "cuda"
         L, H, D, N, dev = n_layers, n_kv_heads, head_dim, n_audio, self.device
         R = L * H
         self.n_rows = R
@@ -101,6 +103,7 @@ class PackedAudioKVStore(StepAccounting):
     def _set_layout(self) -> None:
         self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
         self._offsets = torch.as_tensor(self.base[:-1], dtype=torch.int32, device=self.device)
+        self._caps = torch.as_tensor(self.caps, dtype=torch.int32, device=self.device)
         self._max_cap = int(self.caps.max()) if len(self.caps) else 0
         self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
 
@@ -177,25 +180,20 @@ class PackedAudioKVStore(StepAccounting):
             self._probe_zero_copy()
 
     def _probe_zero_copy(self) -> None:
-        """Copy one host-mirror row with the zero-copy kernel before any graph needs it; where the GPU cannot
-        read the pinned memory, fall back to host-staged copies (and the engine to steps without a graph)."""
-        from wnw_exp.kv.triton_attention import copy_rows
+        """Read the pinned host mirror from the GPU once, before any graph needs it; where the GPU cannot, fall back
+        to the PyTorch flush (recalls staged through the host) and the engine to steps without a graph."""
+        from wnw_exp.kv.triton_moves import read_host
 
-        D = self.head_dim
-        k, v = torch.zeros(1, D, device=self.device, dtype=self.dtype), torch.zeros(1, D, device=self.device, dtype=self.dtype)
-        one = torch.ones(1, device=self.device, dtype=torch.bool)
-        at = torch.zeros(1, device=self.device, dtype=torch.long)
+        got = torch.zeros(1, device=self.device, dtype=self.dtype)
         try:
-            copy_rows(self.host_k.view(-1, D), self.host_v.view(-1, D), k, v, at, one, at)
-            ok = torch.equal(k.cpu(), self.host_k.view(-1, D)[:1]) and torch.equal(v.cpu(), self.host_v.view(-1, D)[:1])
+            read_host(self.host_k.view(-1), got)
+            ok, why = bool(got.cpu()[0] == self.host_k.view(-1)[0]), "the value read differs"
         except Exception as e:  # noqa: BLE001 - any failure means: do not rely on it
             ok, why = False, f"{type(e).__name__}: {e}"
-        else:
-            why = "the copied row differs"
         if not ok:
             warnings.warn(f"packed store: the GPU cannot read the pinned host mirror ({why}); recalls are staged "
                           "through the host, and decode steps run without a CUDA graph", stacklevel=2)
-            self.graph_safe = False
+            self.graph_safe, self.moves = False, "torch"
 
     # --- moving between tiers -----------------------------------------------------------------
     def row(self, layer: int, head: int) -> int:
@@ -256,7 +254,9 @@ class PackedAudioKVStore(StepAccounting):
                 t = lambda x: torch.as_tensor(x, device=self.device)  # noqa: E731
                 self._blocks[key] = dict(rows=t(rows), slots=t(slots), row=t(np.repeat(np.arange(len(rows)), caps)),
                                          local=t(np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps)),
-                                         start=t(np.cumsum(caps) - caps))
+                                         start=t(np.cumsum(caps) - caps),
+                                         scratch=torch.empty(len(rows), self.n_audio, dtype=torch.int32,
+                                                             device=self.device))
         return self._blocks
 
     def flush(self, layer: int | None = None) -> None:
@@ -264,6 +264,14 @@ class PackedAudioKVStore(StepAccounting):
         Fixed-shape tensor ops on the heads that can move; with the zero-copy kernel (CUDA + Triton) no host read."""
         b = self._flush_blocks()[layer]
         if b is None:
+            return
+        if self.moves == "triton":  # the same moves in one launch (kv/triton_moves.py)
+            from wnw_exp.kv.triton_moves import flush_rows
+
+            D = self.head_dim
+            flush_rows(b["rows"], self._offsets, self._caps, self.queued_recall, self.queued_release, self.slot_of,
+                       self.audio_pos, self.host_k.view(-1, D), self.host_v.view(-1, D), self.audio_k, self.audio_v,
+                       b["scratch"], self.n_resident, self.audio_len.view(-1), self.overflow, self._recalled)
             return
         N, dev = self.n_audio, self.device
         rows, slots, row, local = b["rows"], b["slots"], b["row"], b["local"]
@@ -308,14 +316,9 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_len.view(-1).index_copy_(0, rows, hw.int())
 
     def _copy_rows(self, fill: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """audio_k/v[slots[i]] = host mirror row src[i] for the slots i that a flush `fill`s."""
+        """audio_k/v[slots[i]] = host mirror row src[i] for the slots i that a flush `fill`s (a host read)."""
         D = self.head_dim
-        if self.graph_safe:  # one kernel over the block's slots, reading the pinned host memory directly
-            from wnw_exp.kv.triton_attention import copy_rows
-
-            copy_rows(self.host_k.view(-1, D), self.host_v.view(-1, D), self.audio_k, self.audio_v, src, fill, slots)
-            return
-        where = fill.nonzero().view(-1)  # a host read: the CPU, or CUDA without Triton
+        where = fill.nonzero().view(-1)
         if len(where) == 0:
             return
         src, dst = src[where].cpu(), slots[where]
@@ -335,7 +338,7 @@ class PackedAudioKVStore(StepAccounting):
         up to `dense_len_next`). Graph-safe."""
         H = self.n_kv_heads
         fn = attention_torch
-        if self.attention == "triton":
+        if self.kernels == "triton":
             from wnw_exp.kv.triton_attention import decode_attention as fn
         return fn(q, self.dense_k[layer], self.dense_v[layer], self.dense_len_next, self.audio_k, self.audio_v,
                   self._offsets[layer * H:(layer + 1) * H], self.audio_len[layer], scale,

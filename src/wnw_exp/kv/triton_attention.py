@@ -16,8 +16,6 @@ positions scattered into a dense (n_observe, n_audio) tensor, zero where a posit
 Three kernels (flash-decoding): a split-K partial pass over (KV head, key chunk) that handles all the
 query heads of a group with one tensor-core product, a combine pass over the chunks, and — only when
 observer heads are asked for — a pass that recomputes their audio scores and writes exp(s - lse).
-`copy_rows` is the packed store's recall: K/V rows gathered from the pinned host mirror straight into free slots
-(the GPU reads host memory over PCIe: no host thread, no staging, so a CUDA graph can hold it).
 Triton is optional: import this module only where `triton` is installed (the `gpu` extra).
 """
 
@@ -168,30 +166,3 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
             q, audio_k, audio_pos, audio_off, audio_len, s["lse"], observe, probs_out, scale,
             audio_k.stride(0), probs_out.shape[1], G=G, D=D, BLOCK=BLOCK_N)
     return out
-
-
-@triton.jit
-def _copy_rows_kernel(hk_ptr, hv_ptr, ak_ptr, av_ptr, src_ptr, fill_ptr, dst_ptr, n_slots,
-                      D: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n_slots
-    ok = ok & (tl.load(fill_ptr + i, mask=ok, other=0) != 0)
-    src = tl.load(src_ptr + i, mask=ok, other=0).to(tl.int64)
-    dst = tl.load(dst_ptr + i, mask=ok, other=0).to(tl.int64)
-    cols = tl.arange(0, D)
-    m = ok[:, None]
-    at = dst[:, None] * D + cols[None, :]
-    tl.store(ak_ptr + at, tl.load(hk_ptr + src[:, None] * D + cols[None, :], mask=m), mask=m)
-    tl.store(av_ptr + at, tl.load(hv_ptr + src[:, None] * D + cols[None, :], mask=m), mask=m)
-
-
-def copy_rows(host_k: torch.Tensor, host_v: torch.Tensor, audio_k: torch.Tensor, audio_v: torch.Tensor,
-              src: torch.Tensor, fill: torch.Tensor, dst: torch.Tensor) -> None:
-    """audio_k/v[dst[i]] = host_k/v[src[i]] where fill[i]; host_k/v (n, D) pinned host memory, read by the GPU
-    itself (in Triton's interpreter: CPU tensors). Rows not filled read and write nothing."""
-    n, D = len(fill), audio_k.shape[1]
-    assert audio_k.is_contiguous() and audio_v.is_contiguous() and host_k.is_contiguous() and host_v.is_contiguous()
-    BLOCK = 16
-    _copy_rows_kernel[(max(1, triton.cdiv(n, BLOCK)),)](host_k, host_v, audio_k, audio_v, src.contiguous(),
-                                                        fill.contiguous().view(torch.uint8), dst.contiguous(), n,
-                                                        D=D, BLOCK=BLOCK)

@@ -25,10 +25,11 @@ Recipe (per layer, per KV head; the text — ArkVale's sink and recent-window pa
 With retention 1.0 every page is resident and nothing moves: exactly Full's tokens.
 
 Where step 5 runs: on the reference store (the CPU) per head on the host (`_swap_head`, the specification);
-on a store that queues its moves (the packed GPU store) on the device (`_swap_device`: the page scores, the
+on a store that queues its moves (the packed GPU store) on the device (`swap_pages`: the page scores, the
 top-k, the victims and the resident pages are tensors; ties are broken by page index, where the host's
 torch.topk leaves them unspecified), with the moves handed to the store as fixed-shape masks and flushed for the
-layer at once: ArkVale proper's timing (recall before the layer's attention) inside the step's CUDA graph.
+layer at once: ArkVale proper's timing (recall before the layer's attention) inside the step's CUDA graph. With
+the store's Triton kernels the whole swap and its queueing is one kernel per layer (`kernels.py`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class ArkVale(Policy):
             budget = torch.as_tensor(self.budget, device=dev)  # (L, H)
             self._budget = budget
             self._k = torch.clamp(torch.floor(self.topk_fraction * budget.double()).long(), min=1)
+            self._scratch: dict = {}  # the swap kernel's buffers
 
     def _positions(self, pages: torch.Tensor) -> torch.Tensor:
         b = self.bounds
@@ -141,12 +143,11 @@ class ArkVale(Policy):
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
         if layer not in self.resident:
             return
-        hi, lo = self.digests[layer]
-        scores = page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo)
         if self.on_device:
-            self._swap_device(layer, scores)
-        else:
-            self.select_pages(layer, scores.cpu())
+            self._swap_device(layer, q)
+            return
+        hi, lo = self.digests[layer]
+        self.select_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo).cpu())
 
     def select_pages(self, layer: int, scores: torch.Tensor) -> None:
         """Step 5's page swap of `layer` from its (H_kv, n_pages) page scores, on the host, per head in its row
@@ -198,13 +199,21 @@ class ArkVale(Policy):
         resident.copy_((resident & ~victims) | missing)
         return victims, missing
 
-    def _swap_device(self, layer: int, scores: torch.Tensor) -> None:
-        victims, missing = self.swap_pages(layer, scores)
-        rows = self._head + layer * self.ctx.n_kv_heads
-        self.store.release(rows, self._pos, select=victims[:, self._page_of])
-        self.store.recall(rows, self._pos, select=missing[:, self._page_of])
+    def _swap_device(self, layer: int, q: torch.Tensor) -> None:
+        hi, lo = self.digests[layer]
+        if self.store.kernels == "triton":  # the same swap and queueing in one kernel (kernels.py)
+            from wnw_exp.methods.arkvale.kernels import swap
+
+            swap(q, hi, lo, self.resident[layer], self._k[layer], self._budget[layer], self._page_of, self.store,
+                 layer, self._recalled, self._scratch)
+        else:
+            victims, missing = self.swap_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1),
+                                                                  hi, lo))
+            rows = self._head + layer * self.ctx.n_kv_heads
+            self.store.release(rows, self._pos, select=victims[:, self._page_of])
+            self.store.recall(rows, self._pos, select=missing[:, self._page_of])
+            self._recalled += missing.sum()
         self.store.flush(layer)  # in force for this layer's attention, as in ArkVale
-        self._recalled += missing.sum()
 
     def knobs(self) -> dict:
         n_pages = len(self.bounds) - 1

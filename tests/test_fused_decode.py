@@ -229,6 +229,11 @@ def test_triton_flush_moves_what_the_torch_flush_moves():
     assert int(b.overflow) > 0 and int(b._recalled) > 0
     with pytest.raises(RuntimeError, match="region is full"):
         b.check()
+    from wnw_exp.kv.triton_moves import read_host  # the store's probe that the GPU reads the host mirror
+
+    got, src = torch.zeros(1, device=dev), torch.tensor([3.5, 1.0])
+    read_host(src.pin_memory() if HAS_CUDA else src, got)
+    assert float(got[0]) == 3.5
 
 
 @pytest.mark.parametrize("case", ["voxtral-full", "voxtral-wnw", "qwen_omni-arkvale"])

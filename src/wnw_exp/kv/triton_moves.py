@@ -16,23 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 128
+SCAN, COPY = 1024, 64  # positions or slots per iteration: mask scans; slot scans that copy (COPY x D) K/V tiles
 
 
 @triton.jit
 def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_ptr, pos_ptr, hk_ptr, hv_ptr, ak_ptr,
                        av_ptr, scratch_ptr, n_res_ptr, alen_ptr, overflow_ptr, recalled_ptr, N,
-                       D: tl.constexpr, BLOCK: tl.constexpr):
+                       D: tl.constexpr, SCAN: tl.constexpr, COPY: tl.constexpr):
     i = tl.program_id(0)
     r = tl.load(rows_ptr + i).to(tl.int64)
     base = tl.load(base_ptr + r).to(tl.int64)
     cap = tl.load(cap_ptr + r).to(tl.int64)
-    lane = tl.arange(0, BLOCK)
+    lane = tl.arange(0, SCAN)
+    copy_lane = tl.arange(0, COPY)
     cols = tl.arange(0, D)
     row_n = r * N
     # 1a. the recalled positions (queued, not resident), ascending, listed in this program's scratch row
     n_rec = 0
-    for p0 in range(0, N, BLOCK):
+    for p0 in range(0, N, SCAN):
         p = p0 + lane
         m = p < N
         want = m & (tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0) \
@@ -43,8 +44,8 @@ def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_pt
     tl.debug_barrier()
     # 1b. the k-th free slot takes the k-th recalled position: its K/V from the host mirror
     n_free = 0
-    for s0 in range(0, cap, BLOCK):
-        s = s0 + lane
+    for s0 in range(0, cap, COPY):
+        s = s0 + copy_lane
         m = s < cap
         free = m & (tl.load(pos_ptr + base + s, mask=m, other=0) < 0)
         k = n_free + tl.cumsum(free.to(tl.int32), 0) - 1
@@ -64,24 +65,24 @@ def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_pt
     # 2. releases, and the row's resident count and scan length
     n_res = 0
     high = 0
-    for s0 in range(0, cap, BLOCK):
+    for s0 in range(0, cap, SCAN):
         s = s0 + lane
         m = s < cap
         pv = tl.load(pos_ptr + base + s, mask=m, other=-1)
         occ = pv >= 0
         gone = occ & (tl.load(rel_ptr + row_n + pv, mask=occ, other=0) != 0)
-        tl.store(pos_ptr + base + s, tl.full([BLOCK], -1, tl.int32), mask=gone)
-        tl.store(slot_of_ptr + row_n + pv, tl.full([BLOCK], -1, tl.int32), mask=gone)
+        tl.store(pos_ptr + base + s, tl.full([SCAN], -1, tl.int32), mask=gone)
+        tl.store(slot_of_ptr + row_n + pv, tl.full([SCAN], -1, tl.int32), mask=gone)
         keep = occ & ~gone
         n_res += tl.sum(keep.to(tl.int32), 0)
         high = tl.maximum(high, tl.max(tl.where(keep, (s + 1).to(tl.int32), 0), 0))
     tl.store(n_res_ptr + r, n_res.to(tl.int64))
     tl.store(alen_ptr + r, high.to(tl.int32))
-    for p0 in range(0, N, BLOCK):
+    for p0 in range(0, N, SCAN):
         p = p0 + lane
         m = p < N
-        tl.store(rec_ptr + row_n + p, tl.zeros([BLOCK], tl.int8), mask=m)
-        tl.store(rel_ptr + row_n + p, tl.zeros([BLOCK], tl.int8), mask=m)
+        tl.store(rec_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
+        tl.store(rel_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
 
 
 def flush_rows(rows: torch.Tensor, base: torch.Tensor, caps: torch.Tensor, queued_recall: torch.Tensor,
@@ -98,7 +99,7 @@ def flush_rows(rows: torch.Tensor, base: torch.Tensor, caps: torch.Tensor, queue
         assert t.is_contiguous()
     _flush_rows_kernel[(len(rows),)](rows, base, caps, queued_recall.view(torch.int8), queued_release.view(torch.int8),
                                      slot_of, audio_pos, host_k, host_v, audio_k, audio_v, scratch, n_resident,
-                                     audio_len, overflow, recalled, N, D=D, BLOCK=BLOCK)
+                                     audio_len, overflow, recalled, N, D=D, SCAN=SCAN, COPY=COPY)
 
 
 @triton.jit

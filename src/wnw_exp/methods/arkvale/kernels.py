@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_P, BLOCK_N = 32, 256
+BLOCK_P, BLOCK_N = 32, 1024  # pages per score / rank tile; positions per queueing iteration
 
 
 @triton.jit

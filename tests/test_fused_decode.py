@@ -54,11 +54,11 @@ def _runs(backbone, prompt, method, paths: dict, n_new=10):
     out = {}
     for name, path in paths.items():
         policy = _policy(method, backbone)
-        out[name] = (generate_(backbone, prompt, policy, n_new, **path), policy)
+        out[name] = (_generate(backbone, prompt, policy, n_new, **path), policy)
     return out
 
 
-def generate_(backbone, prompt, policy, n_new, **path):
+def _generate(backbone, prompt, policy, n_new, **path):
     from wnw_exp.engine.decode import generate
 
     return generate(backbone, prompt, policy, retention=0.2 if policy.name != "full" else 1.0, max_new_tokens=n_new,

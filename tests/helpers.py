@@ -9,7 +9,7 @@ from wnw_exp.backbones.qwen_omni import QwenOmniBackbone
 from wnw_exp.backbones.tiny_random import tiny_voxtral_config
 from wnw_exp.backbones.voxtral import VoxtralBackbone
 from wnw_exp.backbones.word_tokenizer import EOS, build_word_tokenizer
-from wnw_exp.calibration.head_scores import HeadScores
+from wnw_exp.head_scores import HeadScores
 
 
 def scores_for(vs, hs, name="tiny_test", n_q_heads=None, **calibration) -> HeadScores:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, tiny_voxtral
-from wnw_exp.engine.analysis import MismatchRecorder
+from wnw_exp.methods.mismatch import MismatchRecorder
 from wnw_exp.engine.decode import generate
 from wnw_exp.methods.base import Policy, SampleContext
 
@@ -128,3 +128,41 @@ def test_recorder_in_the_engine_does_not_change_decoding():
     # weights at audio positions: part of each head's softmax, so between 0 and 1 in total
     assert 0 < sum(m["prefill"]) <= 1 + 1e-6 and 0 < sum(m["decode_cumulative"]) <= 1 + 1e-6
     assert 0 <= m["stats"]["jaccard"]["100"] <= 1
+
+
+def test_the_recorder_forwards_every_policy_attribute():
+    """What the recorder does not record in is the wrapped method's: class attributes too (`packed_store` and
+    `recall_headroom` once stayed the recorder's own Policy defaults)."""
+
+    class Moving(Policy):
+        name = "moving"
+        packed_store = False
+        recall_headroom = 7
+
+    inner = Moving()
+    rec = MismatchRecorder(inner)
+    own = {"start", "observe_heads", "observe", "after_step", "trace", "graph_safe"}
+    public = [a for a in dir(Policy) if not a.startswith("_")]
+    assert {"packed_store", "recall_headroom", "place", "before_attention", "knobs"} <= set(public)
+    for attr in set(public) - own:
+        assert getattr(rec, attr) == getattr(inner, attr), attr
+    assert rec.packed_store is False and rec.recall_headroom == 7 and rec.name == "moving"
+    assert rec.graph_safe is False  # its recording keeps host state per step
+
+
+def test_recorder_with_arkvale_on_the_packed_store():
+    """`analysis=mismatch` with a recalling method on the packed store: the recall room is the method's (with the
+    recorder's default 0 it failed "a head's region is full"), and decoding is the method's own."""
+    from wnw_exp.methods import build_policy
+
+    backbone = tiny_voxtral()
+    backbone.eos_token_ids = [-1]
+    prompt = backbone.build_prompt(noise_audio(20.0))
+    runs = {}
+    for wrap in (False, True):
+        policy = build_policy({"name": "arkvale"}, backbone.describe())
+        runs[wrap] = generate(backbone, prompt, MismatchRecorder(policy) if wrap else policy, retention=0.2,
+                              max_new_tokens=8, store="packed")
+    assert runs[True].tokens == runs[False].tokens
+    assert runs[True].store_summary == runs[False].store_summary and runs[True].store_summary["mb_per_step"] > 0
+    assert runs[True].trace["mismatch"]["n_steps"] == 7

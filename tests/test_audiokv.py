@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, tiny_voxtral
-from wnw_exp.calibration.head_scores import HeadScores
+from wnw_exp.head_scores import HeadScores
 from wnw_exp.engine.decode import generate
 from wnw_exp.methods.audiokv import AudioKV, fft_smooth, head_budgets
 

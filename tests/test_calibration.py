@@ -14,8 +14,8 @@ from helpers import noise_audio, tiny_voxtral
 from wnw_exp.backbones.word_tokenizer import build_word_tokenizer
 from wnw_exp.calibration.alignment import (AlignmentError, OracleAligner, WhisperXAligner, alignment_filename,
                                            build_aligner, parse_whisperx)
-from wnw_exp.calibration import triage
-from wnw_exp.calibration.head_scores import FORMAT, HeadScores, HeadScoresError
+from wnw_exp.methods.wnw import triage
+from wnw_exp.head_scores import FORMAT, HeadScores, HeadScoresError
 from wnw_exp.calibration.scores import (answer_token_words, default_k_top, gradient_tokens, group_mean,
                                         score_sample, token_audio_spans)
 from wnw_exp.data.base import Sample, Word

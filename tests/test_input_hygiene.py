@@ -14,7 +14,7 @@ import soundfile as sf
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from wnw_exp.engine.rundir import read_predictions
+from wnw_exp.rundir import read_predictions
 from wnw_exp.engine.runner import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

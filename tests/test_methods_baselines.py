@@ -228,3 +228,112 @@ def test_gqa_and_mrope_backbone_runs_on_target(name):
     assert abs(res.store_summary["r_gpu"] - 0.4) <= 0.02, res.store_summary
     assert len(res.tokens) == 4
     json.dumps(policy.knobs(), allow_nan=False)  # recorded in predictions.jsonl
+
+
+# --- ArkVale's step 5 on the device = the per-head host rule ----------------------------------------------
+def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, seed=0):
+    """The same ArkVale placement on the reference store (host rule) and on the packed store (device rule)."""
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.kv.reference import AudioKVStore
+    from wnw_exp.methods.base import PrefillScores
+
+    g = torch.Generator().manual_seed(seed)
+    ctx = SampleContext(n_layers=layers, n_q_heads=heads * group, n_kv_heads=heads, head_dim=d, token_rate=12.5,
+                        n_audio=n_audio, retention=retention, device=torch.device("cpu"))
+    k = torch.randn(layers, heads, n_audio + 3, d, generator=g)
+    post = torch.rand(layers, heads * group, 2, n_audio, generator=g)
+    pair = []
+    for cls in (AudioKVStore, PackedAudioKVStore):
+        store = cls(layers, heads, d, n_audio, torch.device("cpu"), torch.float32, dense_capacity=16)
+        policy = build_policy(method_cfg("arkvale"), {})
+        policy.start(ctx, store)
+        for li in range(layers):
+            store.write_prefill(li, k[li], k[li] + 1, (1, 1 + n_audio))
+            policy.place(li, PrefillScores(post[li], audio_keys=k[li, :, 1:1 + n_audio]))
+        store.compact(headroom=policy.recall_headroom)
+        pair.append((policy, store))
+    return pair
+
+
+def _resident(store, layer, head):
+    if hasattr(store, "heads"):
+        return sorted(store.heads[layer][head].gpu_pos.tolist())
+    return (store.slot_of[layer * store.n_kv_heads + head] >= 0).nonzero().flatten().tolist()
+
+
+def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
+    """Step 5 for every head at once on tensors (`swap_pages`, what the packed store's runs use) chooses the pages
+    of the per-head host rule (`_swap_head`, torch.topk), step by step, and the stores then hold the same positions."""
+    (host, ref), (dev, packed) = _arkvale_pair()
+    assert not host.on_device and dev.on_device
+    g = torch.Generator().manual_seed(5)
+    n_pages = len(host.bounds) - 1
+    moved = 0
+    for step in range(8):
+        for li in range(2):
+            scores = torch.randn(2, n_pages, generator=g)  # distinct values: both rules have one answer
+            want = [host._swap_head(li, h, scores[h]) for h in range(2)]
+            victims, missing = dev.swap_pages(li, scores.clone())
+            for h, (v, m) in enumerate(want):
+                assert victims[h].nonzero().flatten().tolist() == sorted(v.tolist())
+                assert missing[h].nonzero().flatten().tolist() == sorted(m.tolist())
+                moved += len(m)
+            assert torch.equal(dev.resident[li], host.resident[li])
+    assert moved > 0  # pages really moved
+    # through the stores: the device rule's masks, queued and flushed, hold the host rule's positions
+    (host, ref), (dev, packed) = _arkvale_pair(seed=1)
+    for step in range(6):
+        for li in range(2):
+            q = torch.randn(4, 8, generator=g)
+            host.before_attention(li, q)
+            dev.before_attention(li, q)
+            for h in range(2):
+                assert _resident(ref, li, h) == _resident(packed, li, h)
+        assert ref.end_step() == packed.end_step()
+    assert dev.knobs() == host.knobs() and host.knobs()["recalled_pages"] > 0
+
+
+def test_arkvale_swap_kernel_is_swap_pages_and_its_queueing():
+    """The one-kernel swap of the packed store's Triton path (methods/arkvale/kernels.py, in Triton's interpreter
+    without CUDA) = `swap_pages` plus its store calls: the same page scores, the same pages, the same queued
+    positions, the same resident pages; ties (equal scores) broken alike."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional `gpu` extra)")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
+    from wnw_exp.methods.arkvale.kernels import swap
+
+    (_, ref), (dev, packed) = _arkvale_pair(seed=2)
+    kern_policy, kern_store = _arkvale_pair(seed=2)[1]
+    g = torch.Generator().manual_seed(9)
+    H, n_pages = 2, len(dev.bounds) - 1
+    for step in range(6):
+        for li in range(2):
+            q = torch.randn(4, 8, generator=g)
+            hi, lo = dev.digests[li]
+            want = page_scores(q.view(H, 2, -1), hi, lo)
+            scratch: dict = {}
+            if step % 2:  # tied scores: whole runs of equal values
+                want = torch.randint(0, 3, (H, n_pages), generator=g).float()
+                swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
+                     kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch, scores=want)
+            else:
+                swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
+                     kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch)
+                torch.testing.assert_close(scratch["scores"][:, :n_pages], want, rtol=1e-5, atol=1e-5)
+                want = scratch["scores"][:, :n_pages].clone()  # the selection on the kernel's own scores
+            victims, missing = dev.swap_pages(li, want)
+            rows = dev._head + li * H
+            packed.release(rows, dev._pos, select=victims[:, dev._page_of])
+            packed.recall(rows, dev._pos, select=missing[:, dev._page_of])
+            dev._recalled += missing.sum()
+            assert torch.equal(kern_store.queued_recall, packed.queued_recall)
+            assert torch.equal(kern_store.queued_release, packed.queued_release)
+            assert torch.equal(kern_policy.resident[li], dev.resident[li])
+            packed.flush(li)
+            kern_store.flush(li)
+            assert torch.equal(kern_store.slot_of, packed.slot_of)
+    assert int(kern_policy._recalled) == int(dev._recalled) > 0

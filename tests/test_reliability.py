@@ -12,7 +12,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
 from wnw_exp.backbones import WeightsNotFoundError
-from wnw_exp.engine.rundir import read_predictions
+from wnw_exp.rundir import read_predictions
 from wnw_exp.engine.runner import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -170,7 +170,7 @@ def test_impossible_wnw_settings_are_refused_before_any_sample(override, message
 
 
 def test_head_scores_of_another_model_are_refused(tmp_path, finished_run):
-    from wnw_exp.calibration.head_scores import HeadScoresError
+    from wnw_exp.head_scores import HeadScoresError
 
     shipped = Path(__file__).resolve().parents[1] / "src/wnw_exp/calibration/shipped/tiny_random.json"
     other = json.loads(shipped.read_text())

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from wnw_exp.engine.rundir import aggregate
+from wnw_exp.rundir import aggregate
 from wnw_exp.report.build import build_report
 from wnw_exp.report.collect import Run, collect_runs, to_frame
 from wnw_exp.report.specs import Cell, Matcher

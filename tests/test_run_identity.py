@@ -14,7 +14,7 @@ import soundfile as sf
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from wnw_exp.engine.rundir import identity, identity_hash, read_predictions
+from wnw_exp.rundir import identity, identity_hash, read_predictions
 from wnw_exp.engine.runner import run
 from wnw_exp.report.collect import collect_runs
 

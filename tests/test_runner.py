@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from wnw_exp.backbones import WeightsNotFoundError, load_backbone
-from wnw_exp.engine.rundir import read_predictions
+from wnw_exp.rundir import read_predictions
 from wnw_exp.engine.runner import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -125,7 +125,7 @@ def test_same_config_and_seed_give_byte_identical_predictions(tmp_path):
 
 
 def test_two_runs_on_one_run_directory_are_refused(tmp_path):
-    from wnw_exp.engine.rundir import RunDirLock
+    from wnw_exp.rundir import RunDirLock
 
     (tmp_path / "run").mkdir()
     with RunDirLock(tmp_path / "run"):

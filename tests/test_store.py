@@ -1,9 +1,11 @@
-"""The tier store against a dense masked-attention reference (fp32, relative error < 1e-5)."""
+"""The reference tier store against a dense masked-attention reference (fp32, relative error < 1e-5).
+
+Moves address a (layer, KV head) by its row, layer * n_kv_heads + head (here layer 0: the row is the head)."""
 
 import pytest
 import torch
 
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.kv.reference import AudioKVStore
 
 
 def dense_reference(q, k_dense, v_dense, k_audio, v_audio, resident, scale):
@@ -68,18 +70,18 @@ def test_recall_out_of_order_restores_exact_bytes_and_attention():
     store.set_tiers(0, 0, keep, off)
     store.set_tiers(0, 1, keep, torch.empty(0, dtype=torch.long))  # fixed head: complement dropped
     recall = torch.tensor([33, 5, 18, 1])
-    assert store.recall(0, 0, recall) == 4
+    assert store.recall(0, recall) == 4
     t = store.heads[0][0]
     for p in recall.tolist():
         row = (t.gpu_pos == p).nonzero().item()
         assert torch.equal(t.gpu_k[row], k[0, 0, 2 + p]) and torch.equal(t.gpu_v[row], v[0, 0, 2 + p])
-    assert store.recall(0, 0, torch.tensor([5])) == 0  # already resident
+    assert store.recall(0, torch.tensor([5])) == 0  # already resident
     with pytest.raises(ValueError, match="no host copy"):
-        store.recall(0, 1, torch.tensor([1]))
+        store.recall(1, torch.tensor([1]))
     # released positions leave the device, keep their host copy, and come back bit-identical
-    assert store.release(0, 0, torch.tensor([18, 1])) == 2
+    assert store.release(0, torch.tensor([18, 1])) == 2
     assert 18 not in store.heads[0][0].gpu_pos.tolist()
-    store.recall(0, 0, torch.tensor([18]))
+    store.recall(0, torch.tensor([18]))
     t = store.heads[0][0]
     row = (t.gpu_pos == 18).nonzero().item()
     assert torch.equal(t.gpu_k[row], k[0, 0, 20])
@@ -99,7 +101,7 @@ def test_release_refuses_positions_without_host_copy():
     store, _, _ = make_store(1, 4, 10, 1, 1)
     store.set_tiers(0, 0, torch.arange(5), torch.empty(0, dtype=torch.long))
     with pytest.raises(ValueError, match="host copy"):
-        store.release(0, 0, torch.tensor([2]))
+        store.release(0, torch.tensor([2]))
 
 
 def test_accounting_and_physical_bytes():
@@ -113,7 +115,7 @@ def test_accounting_and_physical_bytes():
     # 20% of positions resident: storage really shrinks (packed, not masked)
     assert store.audio_bytes_on_device() <= 0.2 * full_bytes
     store.end_step()
-    store.recall(0, 0, torch.arange(20, 30))
+    store.recall(0, torch.arange(20, 30))
     rec = store.end_step()
     assert rec.h2d_bytes == 10 * d * 4 * 2
     s = store.summary()

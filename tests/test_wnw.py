@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from helpers import noise_audio, scores_for, tiny_voxtral
-from wnw_exp.calibration import triage
-from wnw_exp.calibration.head_scores import HeadScoresError
+from wnw_exp.methods.wnw import triage
+from wnw_exp.head_scores import HeadScoresError
 from wnw_exp.engine.decode import generate
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.kv.reference import AudioKVStore
 from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw import DEFAULT_MOBILITY, WnW
@@ -408,3 +408,99 @@ def test_swap_starts_from_the_anchor_attention_of_the_prompts_last_row():
     # the recalled segments only when the swap starts from the prompt's last row
     assert torch.equal(res.logits[0], res_d.logits[0])
     assert not torch.equal(res.logits[1], res_d.logits[1])
+
+
+# --- the chunk swap on the device = the host one ------------------------------------------------------------
+@pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta", [(1000, 25, 50, 3, 3), (110, 25, 50, 3, 3), (60, 25, 50, 3, 3),
+                                                         (1037, 25, 30, 2, 1), (400, 10, 20, 1, 4)])
+def test_device_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c, top_k, delta):
+    """`DeviceChunkSwap` (tensors, in place: what runs in the CUDA graph) gives `ChunkSwap`'s chunks, recalls and
+    releases at every step, ties included (flat attention, plateaus, exact zeros)."""
+    host = triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta)
+    dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, torch.device("cpu"))
+    g = torch.Generator().manual_seed(n_audio + top_k)
+    for step in range(40):
+        kind = step % 4
+        if kind == 0:
+            a = torch.rand(n_audio, generator=g) ** 8  # peaked
+        elif kind == 1:
+            a = torch.zeros(n_audio)  # every chunk ties
+        elif kind == 2:
+            a = torch.zeros(n_audio)
+            a[torch.randint(0, n_audio, (3,), generator=g)] = 1.0  # plateaus of equal means
+        else:
+            a = torch.softmax(torch.randn(n_audio, generator=g) * 3, 0).float()
+        selected, recall, release = host.step(a.clone())
+        d_sel, d_rec, d_rel = dev.step(a.clone())
+        assert d_sel.nonzero().flatten().tolist() == selected
+        assert d_rec.nonzero().flatten().tolist() == recall
+        assert d_rel.nonzero().flatten().tolist() == release
+        assert dev.recalled.numpy().tolist() == host.recalled.tolist()
+
+
+def _pair(lag=1, n_audio=100):
+    """make_policy's WnW on the reference store (host swap) and on the packed store (device swap)."""
+    from wnw_exp.kv.packed import PackedAudioKVStore
+
+    vs = np.array([[1.0, 0.2], [0.1, 0.5]])
+    out = []
+    for cls in (AudioKVStore, PackedAudioKVStore):
+        policy = WnW(scores=scores_for(vs, np.ones((2, 2))), n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6,
+                     stride_seconds=0.8, top_k=1, delta=2, swap_start="decode", lag=lag)
+        ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=n_audio,
+                            retention=0.3, device=torch.device("cpu"))
+        store = cls(2, 2, 4, n_audio, torch.device("cpu"), torch.float32, dense_capacity=32)
+        policy.start(ctx, store)
+        torch.manual_seed(0)
+        for layer in range(2):
+            k = torch.randn(2, n_audio + 3, 4)
+            store.write_prefill(layer, k, k + 1, (1, 1 + n_audio))
+            post = torch.linspace(1.0, 0.0, 10).repeat(n_audio // 10)[None, None].expand(4, 2, n_audio)
+            policy.place(layer, PrefillScores(post.clone()))
+        store.compact(headroom=policy.recall_headroom)
+        out.append((policy, store))
+    return out
+
+
+def _drive(lag, steps=16):
+    """Both stores through `steps` decode steps of anchor attention on one random chunk; per step the tidal head's
+    device positions on each store."""
+    (host, ref), (dev, packed) = _pair(lag)
+    assert not host.on_device and dev.on_device
+    g = torch.Generator().manual_seed(3)
+    held = []
+    for s in range(steps):
+        p = torch.full((2, 100), 1e-4)
+        start = int(torch.randint(0, 80, (1,), generator=g))
+        p[:, start:start + 20] = 0.05
+        for policy in (host, dev):
+            policy.observe(0, p.clone())
+            policy.after_step(s)
+        assert ref.end_step() == packed.end_step()
+        held.append((gpu_positions(ref, 1, 1), _packed_positions(packed, 1, 1)))
+    return host, ref, dev, packed, held
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_wnw_on_the_packed_store_decides_on_the_device_as_on_the_host(lag):
+    """Step by step, the device swap (packed store) and the host swap (reference store) record the same decisions,
+    hold the same positions on the device and account the same bytes."""
+    host, ref, dev, packed, held = _drive(lag)
+    assert all(a == b for a, b in held)
+    assert dev.trace() == host.trace() and len(host.trace()["wnw"]["selected_chunks"]) == 16
+    accounting = lambda st: {k: v for k, v in st.summary().items() if k != "audio_bytes_on_device"}  # noqa: E731
+    assert accounting(ref) == accounting(packed) and ref.summary()["mb_per_step"] > 0  # (packed: + recall room)
+    assert dev.knobs() == host.knobs() and (host.knobs().get("lag") == 2) == (lag == 2)
+
+
+def test_pipelined_swap_moves_one_step_later():
+    """lag 2: the same decisions as lag 1 (they follow the attention, not what is resident), each in force one step
+    later: what lag 1 holds after step s, lag 2 holds after step s + 1."""
+    one, two = _drive(1), _drive(2)
+    assert one[0].trace()["wnw"] == two[0].trace()["wnw"]
+    assert [h for h, _ in two[4][1:]] == [h for h, _ in one[4][:-1]]
+    assert two[4][0][0] == gpu_positions(_pair(2)[0][1], 1, 1)  # nothing moved after the first step
+
+
+def _packed_positions(store, layer, head):
+    return (store.slot_of[layer * store.n_kv_heads + head] >= 0).nonzero().flatten().tolist()

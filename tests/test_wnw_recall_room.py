@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import scores_for
 
-from wnw_exp.calibration import triage
+from wnw_exp.methods.wnw import triage
 from wnw_exp.kv.packed import PackedAudioKVStore
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.kv.reference import AudioKVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext
 from wnw_exp.methods.wnw import WnW
 
@@ -68,18 +68,17 @@ def test_recall_room_is_reached_and_never_exceeded(selection):
     assert (room[[0, 1, 2]] == 0).all()  # anchor and fixed heads recall nothing
     per_seg = np.bincount(policy.offloaded[(1, 1)].numpy() // 10, minlength=20)
     assert room[r] == np.sort(per_seg)[::-1][:8].sum() < per_seg.sum()  # (3 + 1) * 1 * 2 = 8 of 20 segments
-    prefill = int(store.n_rows[r])
+    prefill = int(store.n_resident[r])
     assert store.caps[r] == prefill + room[r]
     peak = 0
     for s in range(12):
         _jump(policy, store, s)
         _jump(ref_policy, ref, s)
-        peak = max(peak, int(store.n_rows[r] + store._queued_n[r]) - prefill)
-        store.issue()
+        peak = max(peak, int(store.n_resident[r] + store.queued_recall[r].sum()) - prefill)
         store.flush()
         store.end_step()
         ref.end_step()
-        got = sorted(store.row_pos[r, : store.n_rows[r]].tolist())
+        got = (store.slot_of[r] >= 0).nonzero().flatten().tolist()
         assert got == sorted(ref.heads[1][1].gpu_pos.tolist())  # same positions on the device as the reference
     if selection == "segment":  # every segment misses as many positions: the bound is reached, it is tight
         assert peak == room[r] == 8 * 5
@@ -91,6 +90,5 @@ def test_one_row_less_and_the_store_refuses_the_recall():
     with pytest.raises(RuntimeError, match="region is full"):
         for s in range(12):
             _jump(policy, store, s)
-            store.issue()
             store.flush()
             store.end_step()

@@ -15,7 +15,7 @@ def _register_config_resolvers() -> None:
         return
 
     def run_identity(*, _root_) -> str:
-        from wnw_exp.engine.rundir import identity_hash
+        from wnw_exp.rundir import identity_hash
 
         # the job's config without the hydra node (which holds the run directory being resolved)
         return identity_hash({k: OmegaConf.to_container(_root_[k], resolve=True) if OmegaConf.is_config(_root_[k])

@@ -56,6 +56,7 @@ def load_backbone(cfg: dict, device: torch.device, dtype: torch.dtype) -> Backbo
         raise WeightsNotFoundError(f"could not load the weights of model {cfg['name']} "
                                    f"({type(e).__name__}: {str(e)[:200]}); re-download them or fix model.path") from e
     backbone.model.to(device=device, dtype=dtype)
+    backbone.fused_layers()  # q|k|v and gate|up fused once, on the device, in the dtype the run computes in
     return backbone
 
 

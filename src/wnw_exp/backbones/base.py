@@ -70,6 +70,23 @@ class Backbone:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def fused_layers(self) -> list:
+        """Per decoder layer, its weights with q|k|v and gate|up fused (`layer.fuse_layers`; the HF modules' own
+        parameters become views into them). Made once per set of parameters: `load_backbone` makes them at load,
+        and a model moved or cast since gets them made again here."""
+        from wnw_exp.backbones.layer import fuse_layers
+
+        fused = getattr(self, "_fused", None)
+        if fused is None or fused[0].w_qkv.data_ptr() != self.layers[0].self_attn.q_proj.weight.data_ptr():
+            self._fused = fused = fuse_layers(self.layers)
+        return fused
+
+    def rope_table(self, prompt_positions: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, head_dim) in the model dtype for generated tokens 0 .. n-1 (the backbone's own rotary
+        embedding at `next_positions`: M-RoPE's three axes included), row i = the step that embeds token i."""
+        cos, sin = self.rotary(self.embed_tokens.weight[:1][None], self.next_positions(prompt_positions, 0, n))
+        return cos[0], sin[0]
+
     def describe(self) -> dict:
         return dict(
             name=self.name,

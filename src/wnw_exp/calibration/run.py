@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.calibration.alignment import build_aligner
-from wnw_exp.calibration.head_scores import HeadScores, code_version
-from wnw_exp.calibration import triage
+from wnw_exp.head_scores import HeadScores, code_version
+from wnw_exp.methods.wnw import triage
 from wnw_exp.calibration.scores import (answer_token_words, default_k_top, group_mean, score_sample,
                                         token_audio_spans)
 from wnw_exp.engine.decode import generate, max_new_tokens_for

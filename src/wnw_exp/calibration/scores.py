@@ -1,7 +1,7 @@
 """Voice score (Eq. 3) and head sensitivity (Eqs. 4-5) from one teacher-forced pass per sample.
 
-The pass runs the backbone's own modules layer by layer, like the engine's prefill, on the prompt
-followed by the reference answer tokens:
+The pass runs the backbone's own modules layer by layer (`backbones.layer.decoder_layer`, the engine's layer
+body) on the prompt followed by the reference answer tokens:
 
 - Keys are taken after RoPE (RoPE is a rotation, so gradient norms are the same before it) and passed
   to `torch.autograd.grad` as inputs: it returns the total derivative dL/dK_{l,k,tau}, including the
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from wnw_exp.backbones.base import Backbone, Prompt
+from wnw_exp.backbones.layer import causal_attention, decoder_layer
 from wnw_exp.data.base import Word
-from wnw_exp.engine.decode import apply_rope, project_qkv
 
 _ALNUM = re.compile(r"\w", re.UNICODE)
 
@@ -154,24 +154,23 @@ def score_sample(backbone: Backbone, prompt: Prompt, answer_ids: list[int],
             pos = backbone.prompt_positions(full)
             cos, sin = backbone.rotary(hidden, pos)
             keys, stats = [], []
-            for li, layer in enumerate(backbone.layers):
-                attn = layer.self_attn
-                x = layer.input_layernorm(hidden)
-                q, k, v = project_qkv(layer, x, n_q, n_kv, d)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+            def attention(q, k, v, scale):
+                """Full causal attention; keeps the layer's keys (autograd inputs) and its statistics."""
+                li = len(keys)
                 keys.append(k)
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
                 with torch.no_grad():
-                    stats.append(attention_statistics(q[0][:, rows], k[0], rows, (s, e), attn.scaling, g))
-                if vs_idx:
-                    with torch.no_grad():
+                    stats.append(attention_statistics(q[0][:, rows], k[0], rows, (s, e), scale, g))
+                    if vs_idx:
                         qa = q[0][:, vs_rows].float()  # (H_q, n_v, D)
                         ka = k[0, :, s:e].float().repeat_interleave(g, dim=0)  # (H_q, n_audio, D)
                         top = torch.einsum("hnd,hkd->hnk", qa, ka).topk(k_eff, dim=-1).indices
                         hit = ((top >= span_a) & (top < span_b)).float().mean(-1)  # (H_q, n_v)
                         hits[li] = hit.sum(-1).double().cpu()
-                hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                return causal_attention(q, k, v, scale)
+
+            for layer in backbone.layers:
+                hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
             logits = backbone.lm_head(backbone.final_norm(hidden[:, rows]))[0].float()
             losses = F.cross_entropy(logits, torch.tensor(targets, device=dev), reduction="none")
             chosen = gradient_tokens(len(targets), hs_tokens)

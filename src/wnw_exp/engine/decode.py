@@ -1,6 +1,8 @@
-"""Prefill and greedy decode, layer by layer over the backbone's own modules, KV in the tier store.
+"""Prefill and greedy decode: one loop for every method, backbone and device, KV in the tier store.
 
-One loop for every method and backbone; methods act only through the policy hooks.
+Methods act only through the policy hooks; the engine has no `if method == ...`. The decode step is
+`engine.step.TorchStep` (the reference) or `engine.step.FusedStep` (the fast path), optionally replayed from a
+CUDA graph: options of this one loop, not second decoders.
 """
 
 from __future__ import annotations
@@ -8,13 +10,14 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from wnw_exp.backbones.base import Backbone, Prompt
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.backbones.layer import causal_attention, decoder_layer
+from wnw_exp.engine.step import CapturedStep, FusedStep, TorchStep
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
 
@@ -36,26 +39,6 @@ class DecodeResult:
         return s[len(s) // 2]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (1, H, T, D); cos/sin: (1, T, D)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
-def project_qkv(layer, x: torch.Tensor, n_q: int, n_kv: int, d: int):
-    """q (1, H_q, T, D), k and v (1, H_kv, T, D) from a decoder layer's own projections (before RoPE)."""
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, n_q, d).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, n_kv, d).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, n_kv, d).transpose(1, 2)
-    return q, k, v
-
-
 def max_new_tokens_for(duration_s: float, per_second: float, minimum: int) -> int:
     """The length cap tied to the audio duration: a transcript cannot be longer than speech allows."""
     return int(math.ceil(duration_s * per_second)) + minimum
@@ -66,34 +49,81 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class DecodePath:
+    """How a run decodes (see `generate`)."""
+
+    store: str  # reference | packed
+    fused: bool
+    graph: bool
+    kernels: str  # triton | torch
+
+
+def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused: bool | None = None,
+                graph: bool | None = None, kernels: str = "auto") -> DecodePath:
+    """Resolve `generate`'s choices: on CUDA with Triton the packed store, the fused step and, when the method's
+    decode hooks are graph-safe, one CUDA graph per step; on the CPU the reference store and step."""
+    cuda = device.type == "cuda"
+    triton = importlib.util.find_spec("triton") is not None
+    if kernels == "auto":
+        kernels = "triton" if cuda and triton else "torch"
+    if kernels not in ("triton", "torch"):
+        raise ValueError(f"unknown kernels {kernels!r}: auto, triton or torch")
+    if store == "auto":
+        # The packed store (one buffer, device-side moves) is the fast path on CUDA; the reference store is what
+        # it is tested against. A method that merges tokens runs on the reference store (`packed_store`).
+        store = "packed" if cuda and triton and policy.packed_store else "reference"
+    if store not in ("reference", "packed"):
+        raise ValueError(f"unknown store {store!r}: auto, reference or packed")
+    if fused is None:
+        fused = store == "packed" and cuda and kernels == "triton"
+    if fused and store != "packed":
+        raise ValueError("the fused step runs on the packed store (store=packed)")
+    safe = cuda and triton and policy.graph_safe
+    if graph is None:
+        graph = fused and safe
+    if graph and not (fused and safe):
+        raise ValueError("a CUDA graph needs CUDA, Triton, the fused step and a method whose decode hooks are "
+                         f"graph-safe ({policy.name}: graph_safe={policy.graph_safe})")
+    return DecodePath(store, bool(fused), bool(graph), kernels)
+
+
+WARM_STEPS = 2  # eager steps before a CUDA graph is captured (they compile the kernels and allocate the buffers)
+
+
 @torch.no_grad()
 def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
-             keep_logits: bool = False, store: str = "auto") -> DecodeResult:
-    """Greedy decoding of one prompt with `policy` managing the audio KV.
+             keep_logits: bool = False, store: str = "auto", fused: bool | None = None, graph: bool | None = None,
+             kernels: str = "auto") -> DecodeResult:
+    """Greedy decoding of one prompt with `policy` managing the audio KV: prefill layer by layer (the backbone's
+    modules, `backbones.layer.decoder_layer`), then one decode step per token (`engine.step`).
 
-    `store`: "reference" (AudioKVStore), "packed" (PackedAudioKVStore + Triton) or "auto" (packed on CUDA
-    when triton is installed and the method runs on it, `policy.packed_store`).
+    `store`: "reference" (kv.reference, the specification), "packed" (kv.packed) or "auto" (packed on CUDA with
+    Triton when the method runs on it, `policy.packed_store`). `fused`: the fused step (`FusedStep`, packed store)
+    instead of the reference step (`TorchStep`); None: on CUDA with Triton kernels. `graph`: capture the step,
+    the method's per-step decision and the store's moves in one CUDA graph, replayed per token (the first
+    `WARM_STEPS` run eagerly); None: whenever the fused step runs on CUDA and `policy.graph_safe`. `kernels`: the
+    fused step's and the packed store's kernels, "triton", "torch" (their PyTorch equivalents) or "auto" (triton
+    on CUDA when installed). The CPU default (reference store and step) is what every other path is tested
+    against; on CUDA every backbone family gets the fused graph path by default.
     """
     dev = backbone.device
+    path = decode_path(dev, policy, store, fused, graph, kernels)
     n_q, n_kv, d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
     total = prompt.input_ids.shape[1] + max_new_tokens
     if total > backbone.max_positions:
         raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
                          f"the model's context of {backbone.max_positions} positions: use shorter audio")
     ctx = SampleContext(backbone.n_layers, n_q, n_kv, d, backbone.token_rate, prompt.n_audio, retention, dev)
-    if store == "auto":
-        # The packed store (one buffer, Triton attention, recall on a side stream) is the fast path on
-        # CUDA; the reference store is what it is tested against.
-        fast = dev.type == "cuda" and importlib.util.find_spec("triton") and policy.packed_store
-        store = "packed" if fast else "reference"
-    packed = store == "packed"
-    if packed:
-        from wnw_exp.kv.packed import PackedAudioKVStore as store_cls
-    elif store == "reference":
-        store_cls = AudioKVStore
+    if path.store == "packed":
+        from wnw_exp.kv.packed import PackedAudioKVStore
+
+        store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1,
+                                   kernels=path.kernels)
     else:
-        raise ValueError(f"unknown store {store!r}: auto, reference or packed")
-    store = store_cls(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
+        from wnw_exp.kv.reference import AudioKVStore
+
+        store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
     policy.start(ctx, store)
 
     _sync(dev)
@@ -107,59 +137,79 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         if rope_cache is None or rope_cache[0] is not positions:
             rope_cache = (positions, *backbone.rotary(hidden, positions))
         _, cos, sin = rope_cache
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q, k, v = project_qkv(layer, x, n_q, n_kv, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
-        store.write_prefill(li, k[0], v[0], span)
-        policy.place(li, prefill_scores(q[0], k[0], span, attn.scaling))
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    if packed:
-        store.compact(headroom=policy.recall_headroom)  # frees the dropped rows' memory
+
+        def attention(q, k, v, scale, li=li, span=span):
+            out = causal_attention(q, k, v, scale)
+            store.write_prefill(li, k[0], v[0], span)
+            policy.place(li, prefill_scores(q[0], k[0], span, scale))
+            return out
+
+        hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
+    store.compact(headroom=policy.recall_headroom)  # frees the dropped rows' memory
     policy.after_prefill()
-    if packed:
-        store.issue()
+    store.flush()  # decisions made at prefill are in force at decode step 0
     logits = backbone.lm_head(backbone.final_norm(hidden[:, -1:]))[0, -1].float()
     _sync(dev)
     prefill_ms = (time.perf_counter() - t0) * 1e3
 
+    cos, sin = backbone.rope_table(prompt_pos, max_new_tokens)
+    if path.fused:
+        step = FusedStep(backbone, store, policy, cos, sin, path.kernels)
+    else:
+        step = TorchStep(backbone, store, policy, cos, sin)
+    side = torch.cuda.Stream(dev) if path.fused and dev.type == "cuda" else None
+
+    def decode_one(i: int | None) -> None:
+        """One token: the step, the method's decision for the next step, the store's moves and accounting."""
+        if not path.fused:
+            step(i)
+            policy.after_step(i)
+            store.end_step()
+            return
+        step.body()
+        if side is not None:  # the decision and its copies overlap the final norm and the LM head
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            policy.after_step(i)
+            store.flush()
+            store.record_step()
+        step.head()
+        if side is not None:
+            torch.cuda.current_stream(dev).wait_stream(side)
+
+    step.tok.copy_(torch.argmax(logits).view_as(step.tok))
     tokens, step_ms, kept = [], [], []
-    observers = {li: policy.observe_heads(li) for li in range(backbone.n_layers)}
     terminated = False
-    for step in range(max_new_tokens):
+    captured = None
+    warm = torch.cuda.Stream(dev) if path.graph else None  # eager steps before a capture run on a side stream
+    for i in range(max_new_tokens):
         if keep_logits:
-            kept.append(logits.cpu())
-        token = int(torch.argmax(logits))
+            kept.append(logits.float().cpu())
+        token = int(step.tok)
         tokens.append(token)
         if token in backbone.eos_token_ids:
             terminated = True
             break
-        if step == max_new_tokens - 1:
+        if i == max_new_tokens - 1:
             break
         t0 = time.perf_counter()
-        hidden = backbone.embed_tokens(torch.tensor([[token]], device=dev))
-        pos = backbone.next_positions(prompt_pos, step)
-        cos, sin = backbone.rotary(hidden, pos)
-        for li, layer in enumerate(backbone.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q, k, v = project_qkv(layer, x, n_q, n_kv, d)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            policy.before_attention(li, q[0, :, 0])
-            out, probs = store.attend(li, q[0, :, 0], k[0, :, 0], v[0, :, 0], attn.scaling, observers[li])
-            if probs is not None:
-                policy.observe(li, probs)
-            hidden = hidden + attn.o_proj(out.reshape(1, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        policy.after_step(step)
-        if packed:
-            store.issue()  # start the queued recalls' copies on the side stream at once
-        store.end_step()
-        logits = backbone.lm_head(backbone.final_norm(hidden))[0, -1].float()
+        if captured is not None:
+            captured()
+        elif path.graph and i >= WARM_STEPS and store.graph_safe:  # (a store may have fallen back to host copies)
+            torch.cuda.current_stream(dev).wait_stream(warm)
+            captured = CapturedStep(lambda: decode_one(None))
+            captured()
+        elif warm is not None:  # PyTorch's recipe: warm up on a side stream before capturing
+            warm.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(warm):
+                decode_one(i)
+            torch.cuda.current_stream(dev).wait_stream(warm)
+        else:
+            decode_one(i)
+        logits = step.logits
         _sync(dev)
         step_ms.append((time.perf_counter() - t0) * 1e3)
+    store.check()
 
     trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
                  n_audio=prompt.n_audio, n_full=store.n_full,

@@ -27,7 +27,7 @@ import wnw_exp
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.data import build_dataset
 from wnw_exp.engine.decode import generate, max_new_tokens_for
-from wnw_exp.engine.rundir import (RunDirLock, aggregate, append_prediction, check_identity, identity_record,
+from wnw_exp.rundir import (RunDirLock, aggregate, append_prediction, check_identity, identity_record,
                                    read_predictions, write_identity, write_metrics)
 from wnw_exp.methods import build_policy
 from wnw_exp.metrics import corpus_wer_counts
@@ -146,7 +146,7 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
     policy = build_policy(cfg["method"], backbone.describe())
     policy.check(cfg["retention"])
     if cfg.get("analysis") == "mismatch":
-        from wnw_exp.engine.analysis import MismatchRecorder
+        from wnw_exp.methods.mismatch import MismatchRecorder
 
         policy = MismatchRecorder(policy)
     elif cfg.get("analysis") is not None:

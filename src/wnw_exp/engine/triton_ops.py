@@ -1,4 +1,4 @@
-"""Triton kernels of the fused decode step (one token, batch 1): what `engine/fused.py` calls on CUDA.
+"""Triton kernels of the fused decode step (one token, batch 1): what `engine/step.py` (`FusedStep`) calls on CUDA.
 
 Each kernel replaces a chain of small PyTorch ops of the HF decoder layer by one launch, with the same
 rounding sequence as the HF modules in the model dtype (every intermediate that HF rounds to bf16 is
@@ -9,7 +9,7 @@ rounded here too), so the fused step matches the unfused one up to the last ulp 
   q written to a buffer, k and v written into the layer's dense KV cache at the device length: no host
   read, so it can be captured in a CUDA graph.
 - `silu_mul`: act(gate) * up of the gated MLP from one concatenated gate/up projection.
-The torch equivalents are in `engine/fused.py` (`*_torch`), the specification these are tested against.
+The torch equivalents are in `engine/step.py` (`*_torch`), the specification these are tested against.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
 """
 

@@ -1,81 +1,117 @@
-"""A CUDA fast path for the KV-tier store: fixed-capacity packed device buffers, device-side lengths,
-the Triton decode kernel, and recall on a side stream from a pinned host mirror.
+"""The GPU KV-tier store (`kv.base.KVStore`): packed device buffers, device-side bookkeeping, and queued moves
+applied on the device, so that a decode step, a method's decisions and the moves they make can all be captured
+in one CUDA graph (no host read anywhere on that path).
 
-Same interface and accounting as `AudioKVStore` (the reference): write_prefill, set_tiers, recall,
-release, attend, end_step, summary. What differs is only where bytes live:
-- dense part: one (L, H_kv, C_dense, D) buffer; one device counter `dense_len` shared by all layers
-  (every layer sees the same non-audio tokens).
-- audio part: one flat (Σ cap_r, D) buffer; (layer, head) = row r owns the slots [base_r, base_r + cap_r)
-  of which the first `audio_len[l, h]` (a device int32 tensor) are resident. Row order inside a head is free
-  (attention is order-free); `audio_pos` says which audio position each row holds.
-- host tier: a pinned mirror of every audio K/V written at prefill (ArkVale-style); which positions
-  are recallable is tracked per head, exactly as in the reference.
-`compact(headroom)` after prefill shrinks every head's capacity to its own resident count, plus `headroom`
-rows for heads with a recallable host tier, so the device memory held really drops (the old buffer is
-freed, not masked) even when some heads (WnW's anchors) keep all their audio.
+Layout (row r = layer * H_kv + head):
+- dense part: one (L, H_kv, C_dense, D) buffer; one device counter `dense_len` shared by all layers (every layer
+  sees the same non-audio tokens); `dense_len_next` = dense_len + 1, what attention reads once the step's token
+  is appended.
+- audio part: one flat (C, D) buffer each for K and V; row r owns the slots [base_r, base_r + cap_r).
+  `audio_pos[slot]` is the audio position a slot holds, -1 when the slot is free. Attention scans each head's
+  first `audio_len[l, h]` slots (the high-water mark of its occupied slots) and skips free ones; slot order
+  inside a head is free (attention is order-free).
+- bookkeeping: `slot_of` (L*H, n_audio) int32, each resident position's slot within its row (-1: not resident);
+  `on_host` (L*H, n_audio) bool, the positions with a host copy (fixed after `set_tiers`); `n_resident` (L*H,).
+- host tier: a mirror (L*H, n_audio, D) of every audio K/V written at prefill, pinned on CUDA (ArkVale-style);
+  which positions may be recalled is `on_host`, exactly as in the reference.
+`compact(headroom)` after prefill shrinks every head's region to its resident count plus `headroom` free slots for
+heads that can recall, so the device memory held really drops (the old buffers are freed, not masked) even when
+some heads (WnW's anchors) keep all their audio.
 
-Moves are queued, never synchronised with the host: `recall` gathers host rows into a pinned staging
-buffer and copies them on a side stream into free rows past a head's length; `release` only marks rows.
-`flush()` (called by `attend` for its layer, or once per step before a captured graph replays) makes the
-compute stream wait for the copies and applies both with one gather/scatter and one length update.
+Moves: `recall` / `release` mark (row, position) pairs in two device masks (a fixed-shape `select` mask lets a
+device-side method queue without a host read). `flush` applies them, on the heads that can move (those with a
+host copy): recalls first, each head's recalled positions (ascending) into its free slots (lowest first), then
+releases free their slots. With `kernels="triton"` one kernel does it (kv/triton_moves.py), the GPU reading the
+recalled K/V from the pinned host mirror itself (zero-copy over PCIe, no host involvement: graph-safe); with
+`kernels="torch"` fixed-shape PyTorch ops do it (the specification), the host copying the recalled rows (not
+graph-safe). A recall that does not fit a head's free slots
+raises at once when moves are queued from the host, and is counted in `overflow` (checked by `check()`) when
+they are queued inside a captured graph.
+
+Accounting (§3.4) is device-side as well: `end_step` applies the queued moves and records the step's resident
+count and recalled rows into device buffers (`record_step`, graph-safe); `steps` reads them back.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import numpy as np
 import torch
 
-from wnw_exp.kv.store import StepAccounting, StepRecord
+from wnw_exp.kv.base import StepAccounting, StepRecord
+
+
+def _triton_usable(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class PackedAudioKVStore(StepAccounting):
+    queues_moves = True
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
-                 dtype: torch.dtype, dense_capacity: int):
+                 dtype: torch.dtype, dense_capacity: int, kernels: str = "auto"):
+        """`kernels`: "triton" (attention: kv/triton_attention.py; flush and zero-copy recall: kv/triton_moves.py;
+        on CUDA, or in Triton's interpreter on a CPU), "torch" (`attention_torch` and the PyTorch flush, their
+        specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch)."""
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
-        L, H, D = n_layers, n_kv_heads, head_dim
-        self.caps = np.full(L * H, n_audio, np.int64)  # slots each (layer, head) owns
-        self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each (layer, head)
-        self._layout = 0  # bumped when the slots move (cache key of the device offsets)
-        self.audio_k = torch.empty(L * H * n_audio, D, device=device, dtype=dtype)
+        if kernels == "auto":
+            kernels = "triton" if _triton_usable(self.device) else "torch"
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"unknown kernels {kernels!r}: triton, torch or auto")
+        self.kernels = self.moves = kernels  # `moves`: the flush's implementation (torch after a failed probe)
+        # A graph can hold the moves only where the GPU reads the pinned host mirror itself (the Triton flush).
+        self.graph_safe = kernels == "triton" and self.device.type == "cuda"
+        L, H, D, N, dev = n_layers, n_kv_heads, head_dim, n_audio, self.device
+        R = L * H
+        self.n_rows = R
+        self.caps = np.full(R, N, np.int64)  # slots each row owns (host: the layout only changes in compact)
+        self._set_layout()
+        self.audio_k = torch.empty(R * N, D, device=dev, dtype=dtype)
         self.audio_v = torch.empty_like(self.audio_k)
-        self.audio_pos = torch.empty(L * H * n_audio, device=device, dtype=torch.int32)
-        self.audio_len = torch.zeros(L, H, device=device, dtype=torch.int32)
-        self.host_k = torch.empty(L, H, n_audio, D, dtype=dtype, pin_memory=self.device.type == "cuda")
-        self.host_v = torch.empty_like(self.host_k, pin_memory=self.device.type == "cuda")
-        # Host bookkeeping, vectorised over (layer, head) = row r = l*H + h; no device reads ever.
-        self.row_pos = np.tile(np.arange(n_audio, dtype=np.int64), (L * H, 1))  # slot -> position
-        self.slot_of = self.row_pos.copy()  # position -> slot (valid where resident)
-        self.n_rows = np.full(L * H, n_audio, np.int64)
-        self.resident = np.ones((L * H, n_audio), bool)
-        self.on_host = np.zeros((L * H, n_audio), bool)
+        self.audio_pos = torch.arange(N, device=dev, dtype=torch.int32).repeat(R)
+        self.audio_len = torch.full((L, H), N, device=dev, dtype=torch.int32)
+        pin = self.device.type == "cuda"
+        self.host_k = torch.empty(R, N, D, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.empty(R, N, D, dtype=dtype, pin_memory=pin)
+        self.slot_of = torch.arange(N, device=dev, dtype=torch.int32).repeat(R, 1)
+        self.on_host = torch.zeros(R, N, device=dev, dtype=torch.bool)
+        self.n_resident = torch.full((R,), N, device=dev, dtype=torch.int64)
+        self.queued_recall = torch.zeros(R, N, device=dev, dtype=torch.bool)
+        self.queued_release = torch.zeros(R, N, device=dev, dtype=torch.bool)
+        self.overflow = torch.zeros((), device=dev, dtype=torch.int64)  # recalls that found no free slot
         self._union: int | None = None
         self.dense_k: torch.Tensor | None = None
         self.dense_v: torch.Tensor | None = None
-        self.dense_len = torch.zeros(1, device=device, dtype=torch.long)
-        self._dense_n = 0  # host copy of dense_len for the eager path
-        self.layer_audio = [n_audio] * L
-        self.steps: list[StepRecord] = []
-        self._h2d_this_step = 0
-        # Queued moves, flat: one entry per (row, position). Recalls: (rows, pos, slots); releases: (rows, pos).
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._releases: list[tuple[np.ndarray, np.ndarray]] = []
-        self._queued_mask = np.zeros((L * H, n_audio), bool)  # recall queued, not yet applied
-        self._release_mask = np.zeros((L * H, n_audio), bool)  # release queued, not yet applied
-        self._scratch_mask = np.zeros((L * H, n_audio), bool)  # all False between uses (flush)
-        self._n_issued = 0
-        self._events: list = []
-        self._compacted = None
-        self._queued_n = np.zeros(n_layers * n_kv_heads, np.int64)
-        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self._scratch: list[dict] = [{} for _ in range(L)]
+        self.dense_len = torch.zeros(1, device=dev, dtype=torch.long)
+        self.dense_len_next = torch.ones(1, device=dev, dtype=torch.long)
+        self._dense_n = 0  # host copy of dense_len for the eager `attend` (not advanced by graph replays)
+        self.layer_audio = [N] * L
+        # Per-step records on the device: resident audio tokens and recalled rows; `steps` reads them back.
+        self._recalled = torch.zeros((), device=dev, dtype=torch.int64)  # rows recalled so far (cumulative)
+        self._rec_n_gpu = torch.zeros(dense_capacity + 2, device=dev, dtype=torch.int64)
+        self._rec_rows = torch.zeros(dense_capacity + 2, device=dev, dtype=torch.int64)
+        self._n_rec = torch.zeros((), device=dev, dtype=torch.long)  # steps recorded
+        self._scratch: list[dict] = [{} for _ in range(L)]  # attention split buffers, reused by a graph
+
+    def _set_layout(self) -> None:
+        self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
+        self._offsets = torch.as_tensor(self.base[:-1], dtype=torch.int32, device=self.device)
+        self._caps = torch.as_tensor(self.caps, dtype=torch.int32, device=self.device)
+        self._max_cap = int(self.caps.max()) if len(self.caps) else 0
+        self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
 
     # --- writing ------------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
         s, e = audio_span
         assert e - s == self.n_audio, "token merging (affpool) is not supported by the packed store"
-        H, D = self.n_kv_heads, self.head_dim
+        H, D, N = self.n_kv_heads, self.head_dim, self.n_audio
         dk = torch.cat([k[:, :s], k[:, e:]], dim=1)
         if self.dense_k is None:
             n = dk.shape[1]
@@ -83,259 +119,245 @@ class PackedAudioKVStore(StepAccounting):
             self.dense_v = torch.empty_like(self.dense_k)
             self._dense_n = n
             self.dense_len.fill_(n)
+            self.dense_len_next.fill_(n + 1)
         self.dense_k[layer, :, : self._dense_n] = dk
         self.dense_v[layer, :, : self._dense_n] = torch.cat([v[:, :s], v[:, e:]], dim=1)
-        base, n = int(self.base[layer * H]), self.n_audio  # before compact() every head owns n_audio slots
-        self.audio_k[base: base + H * n].view(H, n, D).copy_(k[:, s:e])
-        self.audio_v[base: base + H * n].view(H, n, D).copy_(v[:, s:e])
-        self.audio_pos[base: base + H * n] = torch.arange(n, device=self.device, dtype=torch.int32).repeat(H)
-        self.audio_len[layer] = self.n_audio
-        self.host_k[layer].copy_(k[:, s:e], non_blocking=True)
-        self.host_v[layer].copy_(v[:, s:e], non_blocking=True)
+        base = int(self.base[layer * H])  # before compact() every row owns n_audio slots
+        self.audio_k[base: base + H * N].view(H, N, D).copy_(k[:, s:e])
+        self.audio_v[base: base + H * N].view(H, N, D).copy_(v[:, s:e])
+        self.host_k[layer * H:(layer + 1) * H].copy_(k[:, s:e], non_blocking=True)
+        self.host_v[layer * H:(layer + 1) * H].copy_(v[:, s:e], non_blocking=True)
 
     def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
         """Keep `gpu` positions resident, make `cpu` recallable, drop the rest (as the reference)."""
         r = layer * self.n_kv_heads + head
-        gpu = np.sort(np.asarray(gpu.detach().cpu(), np.int64))
-        if not self.resident[r, gpu].all():
+        gpu = torch.sort(torch.as_tensor(gpu, device=self.device).long()).values
+        if not bool((self.slot_of[r, gpu] >= 0).all()):
             raise ValueError("set_tiers: a position to keep is not GPU-resident")
-        on_host = np.zeros(self.n_audio, bool)
+        on_host = torch.zeros(self.n_audio, dtype=torch.bool, device=self.device)
         if cpu is not None and len(cpu):
-            cpu = np.asarray(cpu.detach().cpu(), np.int64)
-            if not self.resident[r, cpu].all():
+            cpu = torch.as_tensor(cpu, device=self.device).long()
+            if not bool((self.slot_of[r, cpu] >= 0).all()):
                 raise ValueError("set_tiers: a position to offload is not GPU-resident")
             on_host[cpu] = True  # may overlap `gpu`: a host mirror of resident positions (ArkVale)
-        base = int(self.base[r])
-        src = torch.as_tensor(base + self.slot_of[r, gpu], device=self.device)
-        dst = torch.arange(base, base + len(gpu), device=self.device)
-        self.audio_k[dst] = self.audio_k[src]  # the right side is gathered first: no overlap hazard
-        self.audio_v[dst] = self.audio_v[src]
-        self.audio_pos[dst] = torch.as_tensor(gpu, device=self.device, dtype=torch.int32)
+        b, n = int(self.base[r]), len(gpu)
+        src = b + self.slot_of[r, gpu].long()
+        self.audio_k[b: b + n] = self.audio_k[src]  # the right side is gathered first: no overlap hazard
+        self.audio_v[b: b + n] = self.audio_v[src]
+        self.audio_pos[b: b + int(self.caps[r])] = -1
+        self.audio_pos[b: b + n] = gpu.int()
+        self.slot_of[r] = -1
+        self.slot_of[r, gpu] = torch.arange(n, device=self.device, dtype=torch.int32)
         self.on_host[r] = on_host
-        self.resident[r] = False
-        self.resident[r, gpu] = True
-        self.row_pos[r, : len(gpu)] = gpu
-        self.slot_of[r, gpu] = np.arange(len(gpu))
-        self.n_rows[r] = len(gpu)
-        self.audio_len[layer, head] = len(gpu)
+        self.n_resident[r] = n
+        self.audio_len[layer, head] = n
         self._union = None
+        self._blocks = None
 
     def compact(self, headroom: int | np.ndarray = 0) -> None:
         """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory).
         `headroom`: one count for every head, or one per row (L * H_kv,) = layer * H_kv + head (WnW sizes each
         tidal head's room by what its recalls can hold at once). A recall past a head's room raises."""
         headroom = np.asarray(headroom, np.int64)
-        if headroom.ndim and headroom.shape != self.n_rows.shape:
-            raise ValueError(f"compact: headroom has shape {headroom.shape}, expected () or {self.n_rows.shape}")
-        recallable = self.on_host.any(axis=1)  # heads that never recall (anchors, fixed heads) need no headroom
-        new_caps = np.minimum(self.n_audio, self.n_rows + np.where(recallable, headroom, 0))
-        if np.array_equal(new_caps, self.caps):
-            return
-        keep = np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)])
-        idx = torch.from_numpy(keep).to(self.device)
-        self.audio_k = self.audio_k[idx]  # new, exactly sized tensors: the old buffer is freed
-        self.audio_v = self.audio_v[idx]
-        self.audio_pos = self.audio_pos[idx]
-        self.caps = new_caps
-        self.base = np.concatenate([[0], np.cumsum(new_caps)])
-        self._layout += 1
+        if headroom.ndim and headroom.shape != self.caps.shape:
+            raise ValueError(f"compact: headroom has shape {headroom.shape}, expected () or {self.caps.shape}")
+        n_res = self.n_resident.cpu().numpy()
+        recallable = self.on_host.any(dim=1).cpu().numpy()  # heads that never recall (anchors, fixed) need no room
+        new_caps = np.minimum(self.n_audio, n_res + np.where(recallable, headroom, 0))
+        if not np.array_equal(new_caps, self.caps):
+            keep = torch.as_tensor(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]),
+                                   device=self.device)
+            self.audio_k = self.audio_k[keep]  # new, exactly sized tensors: the old buffers are freed
+            self.audio_v = self.audio_v[keep]
+            self.audio_pos = self.audio_pos[keep]
+            self.caps = new_caps
+            self._set_layout()
+        self.audio_len.view(-1).copy_(torch.as_tensor(n_res, device=self.device))
+        self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
+        self._blocks = None
+        self._flush_blocks()
+        if self.graph_safe:
+            self._probe_zero_copy()
+
+    def _probe_zero_copy(self) -> None:
+        """Read the pinned host mirror from the GPU once, before any graph needs it; where the GPU cannot, fall back
+        to the PyTorch flush (recalls staged through the host) and the engine to steps without a graph."""
+        from wnw_exp.kv.triton_moves import read_host
+
+        got = torch.zeros(1, device=self.device, dtype=self.dtype)
+        try:
+            read_host(self.host_k.view(-1), got)
+            ok, why = bool(got.cpu()[0] == self.host_k.view(-1)[0]), "the value read differs"
+        except Exception as e:  # noqa: BLE001 - any failure means: do not rely on it
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            warnings.warn(f"packed store: the GPU cannot read the pinned host mirror ({why}); recalls are staged "
+                          "through the host, and decode steps run without a CUDA graph", stacklevel=2)
+            self.graph_safe, self.moves = False, "torch"
 
     # --- moving between tiers -----------------------------------------------------------------
-    def recall(self, layer: int, head: int, positions) -> int:
-        """Queue host-resident positions for copying back (skips resident and already queued ones)."""
-        pos = np.unique(_np(positions))
-        return self.recall_rows(np.full(len(pos), layer * self.n_kv_heads + head), pos)
+    def row(self, layer: int, head: int) -> int:
+        return layer * self.n_kv_heads + head
 
-    def recall_rows(self, rows: np.ndarray, pos: np.ndarray) -> int:
-        """`recall` for many heads at once: flat arrays, row = layer * H_kv + head, one entry per position
-        (distinct pairs). Resident and already queued pairs are skipped; returns how many were queued."""
-        rows, pos = np.asarray(rows, np.int64), np.asarray(pos, np.int64)
-        new = ~self.resident[rows, pos] & ~self._queued_mask[rows, pos]
-        rows, pos = rows[new], pos[new]
-        if len(pos):
-            self._queue_recall(rows, pos)
-        return len(pos)
+    def _pairs(self, rows, positions, select):
+        pos = torch.as_tensor(positions, device=self.device).long().reshape(-1)
+        r = torch.as_tensor(rows, device=self.device).long().reshape(-1).expand_as(pos)
+        sel = None if select is None else torch.as_tensor(select, device=self.device).reshape(-1)
+        return r, pos, sel
 
-    def recall_batch(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        """Queue recalls for many heads at once: rows (n,) distinct, = layer*H_kv + head; pos (n, c) not
-        resident and not queued (the per-head `recall` checks that; this fast path trusts the caller)."""
-        self._queue_recall(np.repeat(rows, pos.shape[1]), pos.ravel())
-
-    def _queue_recall(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        if not self.on_host[rows, pos].all():
+    def recall(self, rows, positions, select=None) -> int | None:
+        """Queue host-tier positions for copying back (resident and already queued ones are skipped). Pairs must
+        be distinct. Returns how many were queued, or None inside a graph capture (no host read there)."""
+        r, p, sel = self._pairs(rows, positions, select)
+        new = ~(self.slot_of[r, p] >= 0) & ~self.queued_recall[r, p]
+        if sel is not None:
+            new &= sel
+        if _capturing():  # no host read: what has no host copy is not queued (it cannot be recalled)
+            self.queued_recall.index_put_((r, p), self.queued_recall[r, p] | (new & self.on_host[r, p]))
+            return None
+        if not bool(self.on_host[r, p][new].all()):
             raise ValueError("recall: positions have no host copy (they were dropped)")
-        counts = np.bincount(rows, minlength=len(self.caps))
-        if (self.n_rows + self._queued_n + counts > self.caps).any():
+        counts = torch.zeros(self.n_rows, device=self.device, dtype=torch.int64).index_add_(0, r, new.long())
+        held = self.n_resident + self.queued_recall.sum(dim=1) + counts
+        if bool((held > torch.as_tensor(self.caps, device=self.device)).any()):
             raise RuntimeError("recall: a head's region is full: compact() with more headroom")
-        order = np.argsort(rows, kind="stable")  # rank of each entry among its row's entries
-        rank = np.empty(len(rows), np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)])[rows[order]]
-        rank[order] = np.arange(len(rows)) - starts
-        slots = self.n_rows[rows] + self._queued_n[rows] + rank
-        self._queued_n += counts
-        self._queued_mask[rows, pos] = True
-        self._pending.append((rows, pos, slots))
+        self.queued_recall.index_put_((r, p), self.queued_recall[r, p] | new)
+        return int(new.sum())
 
-    def release(self, layer: int, head: int, positions) -> int:
-        pos = np.unique(_np(positions))
-        r = layer * self.n_kv_heads + head
-        if not self.on_host[r, pos].all():
+    def release(self, rows, positions, select=None) -> int | None:
+        """Queue the release of resident positions with host copies (non-resident and already queued ones are
+        skipped). Returns how many were queued, or None inside a graph capture."""
+        r, p, sel = self._pairs(rows, positions, select)
+        new = (self.slot_of[r, p] >= 0) & ~self.queued_release[r, p]
+        if sel is not None:
+            new &= sel
+        if not _capturing() and not bool(self.on_host[r, p][sel if sel is not None else slice(None)].all()):
             raise ValueError("release: a position without a host copy would be lost; drop it explicitly instead")
-        return self.release_rows(np.full(len(pos), r), pos)
+        self.queued_release.index_put_((r, p), self.queued_release[r, p] | (new & self.on_host[r, p]))
+        return None if _capturing() else int(new.sum())
 
-    def release_rows(self, rows: np.ndarray, pos: np.ndarray) -> int:
-        """`release` for many heads at once (flat, distinct pairs with host copies); non-resident and already
-        queued pairs are skipped. Returns how many were queued."""
-        rows, pos = np.asarray(rows, np.int64), np.asarray(pos, np.int64)
-        if not self.on_host[rows, pos].all():
-            raise ValueError("release: a position without a host copy would be lost; drop it explicitly instead")
-        keep = self.resident[rows, pos] & ~self._release_mask[rows, pos]
-        if keep.any():
-            self.release_batch(rows[keep], pos[keep])
-        return int(keep.sum())
+    def _flush_blocks(self) -> dict:
+        """Per flush scope (None: every layer; a layer), the rows that can move — those with a host copy, the only
+        ones a recall or release may touch — and their slots, as device index tensors; None where no row can move
+        (Full, AdaKV: a flush is then free)."""
+        if self._blocks is None:
+            movable = self.on_host.any(dim=1).cpu().numpy()
+            H = self.n_kv_heads
+            self._blocks = {}
+            for key, (r0, r1) in [(None, (0, self.n_rows))] + [(li, (li * H, (li + 1) * H)) for li in range(self.n_layers)]:
+                rows = r0 + np.flatnonzero(movable[r0:r1])
+                if len(rows) == 0:
+                    self._blocks[key] = None
+                    continue
+                caps = self.caps[rows]
+                slots = np.concatenate([np.arange(self.base[r], self.base[r] + c) for r, c in zip(rows, caps)])
+                t = lambda x: torch.as_tensor(x, device=self.device)  # noqa: E731
+                self._blocks[key] = dict(rows=t(rows), slots=t(slots), row=t(np.repeat(np.arange(len(rows)), caps)),
+                                         local=t(np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps)),
+                                         start=t(np.cumsum(caps) - caps),
+                                         scratch=torch.empty(len(rows), self.n_audio, dtype=torch.int32,
+                                                             device=self.device))
+        return self._blocks
 
-    def release_batch(self, rows: np.ndarray, pos: np.ndarray) -> None:
-        """Queue releases of resident positions with host copies: flat rows/pos, or rows (n,) with pos (n, c)."""
-        if pos.ndim == 2:
-            rows, pos = np.repeat(rows, pos.shape[1]), pos.ravel()
-        self._release_mask[rows, pos] = True
-        self._releases.append((rows, pos))
-
-    def issue(self) -> None:
-        """Start the queued recalls' copies on the side stream (call as soon as the decision is made)."""
-        todo = self._pending[self._n_issued:]
-        if not todo:
+    def flush(self, layer: int | None = None) -> None:
+        """Apply the queued moves of one layer's heads (or of all): recalls into free slots, then releases.
+        Fixed-shape tensor ops on the heads that can move; with the zero-copy kernel (CUDA + Triton) no host read."""
+        b = self._flush_blocks()[layer]
+        if b is None:
             return
+        if self.moves == "triton":  # the same moves in one launch (kv/triton_moves.py)
+            from wnw_exp.kv.triton_moves import flush_rows
+
+            D = self.head_dim
+            flush_rows(b["rows"], self._offsets, self._caps, self.queued_recall, self.queued_release, self.slot_of,
+                       self.audio_pos, self.host_k.view(-1, D), self.host_v.view(-1, D), self.audio_k, self.audio_v,
+                       b["scratch"], self.n_resident, self.audio_len.view(-1), self.overflow, self._recalled)
+            return
+        N, dev = self.n_audio, self.device
+        rows, slots, row, local = b["rows"], b["slots"], b["row"], b["local"]
+        n = len(rows)
+        rec_q, rel_q = self.queued_recall[rows], self.queued_release[rows]
+        pos = self.audio_pos[slots]  # (S,) the block's slots
+        # 1. recalls: the k-th recalled position of a row (ascending) goes to its k-th free slot (ascending)
+        rec = rec_q & (self.slot_of[rows] < 0)
+        rank = rec.long().cumsum(dim=1) - 1  # (n, N)
+        n_rec = rec.sum(dim=1)
+        free = pos < 0
+        cf = free.long().cumsum(0)
+        before = torch.cat([cf.new_zeros(1), cf])[b["start"]]  # free slots before each row's first slot
+        n_free = torch.cat([before[1:], cf[-1:]]) - before
+        free_rank = cf - 1 - before[row]  # (S,) rank of a free slot among its row's free slots
+        fill = free & (free_rank < n_rec[row])
+        self.overflow += (n_rec - n_free).clamp(min=0).sum()
+        # rank -> position per row (columns N.. take the other positions: every scatter target is distinct)
+        cols = torch.arange(N, device=dev).expand(n, N)
+        pos_for = torch.empty(n, 2 * N, device=dev, dtype=torch.int32)
+        pos_for.scatter_(1, torch.where(rec, rank, N + cols), cols.int())
+        got = pos_for.view(-1)[row * 2 * N + free_rank.clamp(min=0, max=N - 1)]
+        self._copy_rows(fill, slots, rows[row] * N + got.long().clamp(min=0))
+        pos = torch.where(fill, got, pos)
+        self._recalled += fill.sum()
+        # 2. releases: free the slots of the positions queued for release
+        occupied = pos >= 0
+        freed = occupied & rel_q.reshape(-1)[torch.where(occupied, row * N + pos.long(), 0)]
+        pos = pos.masked_fill(freed, -1)
+        self.audio_pos.index_copy_(0, slots, pos)
+        self.queued_recall.index_fill_(0, rows, False)
+        self.queued_release.index_fill_(0, rows, False)
+        # 3. the block's bookkeeping, rebuilt from its slots
+        occupied = pos >= 0
+        slot_of = torch.full((n * N + len(pos),), -1, device=dev, dtype=torch.int32)  # free slots: distinct spares
+        slot_of.scatter_(0, torch.where(occupied, row * N + pos.long(), n * N + torch.arange(len(pos), device=dev)),
+                         local.int())
+        self.slot_of.index_copy_(0, rows, slot_of[: n * N].view(n, N))
+        self.n_resident.index_copy_(0, rows, torch.zeros(n, device=dev, dtype=torch.int64).index_add_(0, row, occupied.long()))
+        high = torch.where(occupied, local + 1, 0)  # each head's scan length: one past its highest occupied slot
+        hw = torch.zeros(n, device=dev, dtype=torch.int64).scatter_reduce_(0, row, high, "amax")
+        self.audio_len.view(-1).index_copy_(0, rows, hw.int())
+
+    def _copy_rows(self, fill: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """audio_k/v[slots[i]] = host mirror row src[i] for the slots i that a flush `fill`s (a host read)."""
         D = self.head_dim
-        rows = np.concatenate([r for r, _, _ in todo])
-        pos = np.concatenate([p for _, p, _ in todo])
-        dst = np.concatenate([self.base[r] + sl for r, _, sl in todo])
-        n = len(pos)
-        pin = self.device.type == "cuda"
-        # Double-buffered pinned staging: the host waits only for the copy that used this buffer before.
-        self._slot = 1 - getattr(self, "_slot", 0)
-        while len(self._staging) <= self._slot:
-            self._staging.append((torch.empty(0, 2, D, dtype=self.dtype), None))
-        buf, ev = self._staging[self._slot]
-        if ev is not None:
-            ev.synchronize()
-        if buf.shape[0] < n:
-            buf = torch.empty(max(n, 2 * buf.shape[0]), 2, D, dtype=self.dtype, pin_memory=pin)
-        idx = torch.from_numpy(rows * self.n_audio + pos)
-        torch.index_select(self.host_k.view(-1, D), 0, idx, out=buf[:n, 0])
-        torch.index_select(self.host_v.view(-1, D), 0, idx, out=buf[:n, 1])
-        meta = torch.from_numpy(np.stack([dst, pos]))
-        if pin:
-            meta = meta.pin_memory()
-        done = None
-        with (torch.cuda.stream(self.side) if pin else _null()):
-            if pin and self._compacted is not None:
-                # The rows written lie past every length, so the step in flight never reads them; only the
-                # last compaction (which read tail rows as sources) must be done. Never wait for the step.
-                self.side.wait_event(self._compacted)
-            dev = buf[:n].to(self.device, non_blocking=True)
-            m = meta.to(self.device, non_blocking=True)
-            self.audio_k.index_copy_(0, m[0], dev[:, 0])
-            self.audio_v.index_copy_(0, m[0], dev[:, 1])
-            self.audio_pos.index_copy_(0, m[0], m[1].to(torch.int32))
-            if pin:
-                done = torch.cuda.Event()
-                done.record(self.side)
-        self._staging[self._slot] = (buf, done)
-        self._h2d_this_step += n * D * 2 * buf.element_size()
-        self._events.append((done, dev, m))  # device temporaries stay alive until the wait
-        self._n_issued = len(self._pending)
-
-    def flush(self) -> None:
-        """Make queued recalls and releases visible to attention: wait for the copies, compact, update lengths."""
-        if not self._pending and not self._releases:
+        where = fill.nonzero().view(-1)
+        if len(where) == 0:
             return
-        self.issue()
-        for done, *_ in self._events:
-            if done is not None:
-                torch.cuda.current_stream(self.device).wait_event(done)
-        for rows, pos, slots in self._pending:
-            self.row_pos[rows, slots] = pos
-            self.slot_of[rows, pos] = slots
-            self.resident[rows, pos] = True
-            self._queued_mask[rows, pos] = False
-            self.n_rows += np.bincount(rows, minlength=len(self.n_rows))
-        self._pending, self._n_issued, self._events = [], 0, []
-        self._queued_n[:] = 0
-        src, dst = [], []
-        if self._releases:  # swap-remove: the last kept rows of each head move into its holes
-            rows = np.concatenate([r for r, _ in self._releases])
-            pos = np.concatenate([p for _, p in self._releases])
-            self._releases = []
-            self._release_mask[rows, pos] = False
-            new_n = self.n_rows - np.bincount(rows, minlength=len(self.n_rows))
-            holes = self.slot_of[rows, pos]
-            fill = holes < new_n[rows]  # holes inside the kept range need a row moved in
-            # The slots that fall off each head's end: [new_n, n_rows); those that are not holes move.
-            cnt = self.n_rows - new_n
-            t_rows = np.repeat(np.arange(len(cnt)), cnt)
-            t_slot = new_n[t_rows] + np.arange(len(t_rows)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            is_hole = self._scratch_mask  # (rows, holes) marked, read at the tail slots, cleared again
-            is_hole[rows, holes] = True
-            mover = ~is_hole[t_rows, t_slot]
-            is_hole[rows, holes] = False
-            f_rows, f_slot = rows[fill], holes[fill]
-            o = np.argsort(f_rows * (self.n_audio + 1) + f_slot)  # both sides in (row, slot) order (pairs distinct)
-            f_rows, f_slot = f_rows[o], f_slot[o]
-            m_rows, m_slot = t_rows[mover], t_slot[mover]  # already in (row, slot) order
-            moved_pos = self.row_pos[m_rows, m_slot]
-            self.resident[rows, pos] = False
-            self.row_pos[f_rows, f_slot] = moved_pos
-            self.slot_of[f_rows, moved_pos] = f_slot
-            self.n_rows = new_n
-            src.append(self.base[m_rows] + m_slot)
-            dst.append(self.base[f_rows] + f_slot)
-        if src and sum(len(x) for x in src):
-            s = torch.from_numpy(np.concatenate(src)).to(self.device, non_blocking=True)
-            d = torch.from_numpy(np.concatenate(dst)).to(self.device, non_blocking=True)
-            self.audio_k.index_copy_(0, d, self.audio_k[s])
-            self.audio_v.index_copy_(0, d, self.audio_v[s])
-            self.audio_pos.index_copy_(0, d, self.audio_pos[s])
-        lens = torch.from_numpy(self.n_rows.astype(np.int32)).view(self.n_layers, self.n_kv_heads)
-        self.audio_len.copy_(lens.pin_memory() if self.device.type == "cuda" else lens, non_blocking=True)
-        if self.device.type == "cuda":
-            self._compacted = torch.cuda.Event()
-            self._compacted.record(torch.cuda.current_stream(self.device))
+        src, dst = src[where].cpu(), slots[where]
+        self.audio_k.index_copy_(0, dst, self.host_k.view(-1, D)[src].to(self.device, non_blocking=True))
+        self.audio_v.index_copy_(0, dst, self.host_v.view(-1, D)[src].to(self.device, non_blocking=True))
+
+    def check(self) -> None:
+        """Raise if a flush ever found a head's free slots too few for its recalls (a host read)."""
+        if int(self.overflow):
+            raise RuntimeError(f"recall: a head's region is full ({int(self.overflow)} rows did not fit): "
+                               "compact() with more headroom")
 
     # --- attention ----------------------------------------------------------------------------
-    def offsets(self, layer: int) -> torch.Tensor:
-        key = ("off", layer, self._layout)
-        if key not in self._scratch[layer]:
-            H = self.n_kv_heads
-            self._scratch[layer][key] = torch.as_tensor(self.base[layer * H:(layer + 1) * H], dtype=torch.int32,
-                                                        device=self.device)
-        return self._scratch[layer][key]
+    def attend_device(self, layer: int, q: torch.Tensor, scale: float, observe: torch.Tensor | None = None,
+                      probs_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one layer over the state as it is (the step's key already appended at `dense_len`, read
+        up to `dense_len_next`). Graph-safe."""
+        H = self.n_kv_heads
+        fn = attention_torch
+        if self.kernels == "triton":
+            from wnw_exp.kv.triton_attention import decode_attention as fn
+        return fn(q, self.dense_k[layer], self.dense_v[layer], self.dense_len_next, self.audio_k, self.audio_v,
+                  self._offsets[layer * H:(layer + 1) * H], self.audio_len[layer], scale,
+                  max_audio_per_head=self._max_cap, audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
+                  scratch=self._scratch[layer])
 
     def append_dense(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Write the step's key/value at the device-side dense length (graph-safe; no host read)."""
+        """Write the step's key/value (H_kv, D) at the device-side dense length (graph-safe; no host read)."""
         self.dense_k[layer].index_copy_(1, self.dense_len, k_new[:, None])
         self.dense_v[layer].index_copy_(1, self.dense_len, v_new[:, None])
 
     def dense_keys(self, layer: int) -> torch.Tensor:
-        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
-        return self.dense_k[layer, :, : self._dense_n]
-
-    def attend_device(self, layer: int, q: torch.Tensor, scale: float, observe: torch.Tensor | None = None,
-                      probs_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Kernel call over the state as it is (dense_len already counts the new token). Graph-safe."""
-        from wnw_exp.kv.triton_attention import decode_attention
-
-        dl = self._scratch[layer].setdefault("dlen_plus", torch.zeros(1, device=self.device, dtype=torch.long))
-        torch.add(self.dense_len, 1, out=dl)
-        return decode_attention(q, self.dense_k[layer], self.dense_v[layer], dl, self.audio_k, self.audio_v,
-                                self.offsets(layer), self.audio_len[layer], scale, max_audio_per_head=int(self.caps.max()),
-                                audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
-                                scratch=self._scratch[layer])
+        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE; a host read of the length)."""
+        return self.dense_k[layer, :, : int(self.dense_len)]
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
                observe: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reference's `attend`, eagerly (one layer; the dense length advances after the last layer)."""
-        self.flush()
+        self.flush(layer)
         if self._dense_n >= self.dense_k.shape[2]:
             raise RuntimeError("dense KV capacity exhausted: raise the engine's max_new_tokens capacity")
         self.append_dense(layer, k_new, v_new)
@@ -349,35 +371,79 @@ class PackedAudioKVStore(StepAccounting):
         return out, probs
 
     def advance(self) -> None:
+        """The step's token is in every layer's dense part: the next step appends after it (graph-safe; the host
+        count `_dense_n`, which only the eager `attend` reads, follows eager steps)."""
         self.dense_len += 1
-        self._dense_n += 1
+        self.dense_len_next += 1
+        if not _capturing():
+            self._dense_n += 1
 
-    # --- accounting (§3.4), from the host bookkeeping: no device reads --------------------------
+    # --- accounting (§3.4) --------------------------------------------------------------------
+    def record_step(self) -> None:
+        """Close a decode step on the device: its resident audio tokens and the rows recalled so far (graph-safe;
+        the moves it queued must be flushed first)."""
+        at = self._n_rec.view(1)
+        self._rec_n_gpu.index_copy_(0, at, self.n_resident.sum().view(1))
+        self._rec_rows.index_copy_(0, at, self._recalled.view(1))
+        self._n_rec += 1
+
+    def end_step(self) -> StepRecord:
+        """Apply what is queued (a decision takes effect before the next step), record the step, return it."""
+        self.flush()
+        self.record_step()
+        return self.steps[-1]
+
     @property
-    def n_full(self) -> int:
-        return self.n_layers * self.n_kv_heads * self.n_audio
+    def steps(self) -> list[StepRecord]:
+        n = int(self._n_rec)
+        n_gpu = self._rec_n_gpu[:n].tolist()
+        rows = self._rec_rows[:n].tolist()
+        row_bytes = self.head_dim * 2 * torch.finfo(self.dtype).bits // 8
+        union = self.n_gpu_cpu()
+        return [StepRecord(g, union, (r - (rows[i - 1] if i else 0)) * row_bytes) for i, (g, r) in enumerate(zip(n_gpu, rows))]
 
     def n_gpu(self) -> int:
-        # Queued moves count as done, as in the reference store, where recall/release act at once.
-        return int(self.n_rows.sum() + self._queued_n.sum() - sum(len(p) for _, p in self._releases))
+        return int(self.n_resident.sum())
 
     def n_gpu_cpu(self) -> int:
         # Recall and release move only positions with a host copy, so the union changes only in set_tiers.
         if self._union is None:
-            self._union = int((self.resident | self.on_host).sum())
+            self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
         return self._union
 
     def audio_bytes_on_device(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
 
 
-def _np(positions) -> np.ndarray:
-    return np.asarray(positions.detach().cpu() if torch.is_tensor(positions) else positions, np.int64).ravel()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+def attention_torch(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, dense_len: torch.Tensor,
+                    audio_k: torch.Tensor, audio_v: torch.Tensor, audio_off: torch.Tensor, audio_len: torch.Tensor,
+                    scale: float, *, max_audio_per_head: int, audio_pos: torch.Tensor | None = None,
+                    observe: torch.Tensor | None = None, probs_out: torch.Tensor | None = None,
+                    scratch: dict | None = None) -> torch.Tensor:
+    """`kv.triton_attention.decode_attention` in PyTorch (same arguments, same layout, no host reads): each head's
+    first `audio_len` slots are gathered up to `max_audio_per_head` and masked by the device lengths and, when
+    `audio_pos` is given, by the free slots (position -1)."""
+    H_q, D = q.shape
+    H, Cd = dense_k.shape[:2]
+    G = H_q // H
+    A = max(int(max_audio_per_head), 1)
+    ar = torch.arange(A, device=q.device)
+    idx = (audio_off.long()[:, None] + ar[None]).clamp(max=audio_k.shape[0] - 1)  # (H, A)
+    k = torch.cat([dense_k, audio_k[idx]], dim=1).float()
+    v = torch.cat([dense_v, audio_v[idx]], dim=1).float()
+    in_audio = ar[None] < audio_len.view(H, 1)
+    if audio_pos is not None:
+        in_audio = in_audio & (audio_pos[idx] >= 0)
+    valid = torch.cat([(torch.arange(Cd, device=q.device) < dense_len.view(1))[None].expand(H, Cd), in_audio], dim=1)
+    v = v.masked_fill(~valid[..., None], 0.0)  # rows past the lengths are uninitialised memory (NaN * 0 = NaN)
+    s = torch.einsum("hgd,hnd->hgn", q.view(H, G, D).float(), k) * scale
+    s = s.masked_fill(~valid[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("hgn,hnd->hgd", p, v).to(q.dtype).reshape(H_q, D)
+    if observe is not None and len(observe):
+        obs = observe.long()
+        heads = obs // G
+        w = p.reshape(H_q, Cd + A)[obs, Cd:] * valid[heads, Cd:]  # (n_obs, A), 0 where not resident
+        probs_out.zero_()
+        probs_out.scatter_add_(1, audio_pos[idx[heads]].long().clamp(min=0), w)
+    return out

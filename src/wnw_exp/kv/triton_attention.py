@@ -5,7 +5,8 @@ CUDA graph (no host synchronisation, fixed grid):
 - dense_k, dense_v: (H_kv, C_dense, D); the first `dense_len[0]` rows are valid (same for every head).
 - audio_k, audio_v: (C_audio, D) — every KV head's resident audio keys and values packed into one flat
   buffer; head h owns rows [audio_off[h], audio_off[h] + audio_len[h]) (int32 tensors of shape (H_kv,)).
-- audio_pos: (C_audio,) the audio position (index in [0, n_audio)) of each packed row.
+- audio_pos: (C_audio,) the audio position (index in [0, n_audio)) of each packed row, -1 for a free slot
+  (skipped: the packed store keeps recall room inside each head's scanned rows).
 
 Semantics are those of `AudioKVStore.attend` (the CPU reference): for each query head, softmax over the
 union of its KV head's dense keys and resident audio keys (the reference merges the two parts by
@@ -28,11 +29,11 @@ BLOCK_N = 64
 
 
 @triton.jit
-def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, alen_ptr,
+def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, alen_ptr, apos_ptr,
                     po_ptr, plse_ptr, scale,
                     s_dk_h, s_dk_n, s_ak_n, N_SPLITS,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                    BLOCK: tl.constexpr, TILES: tl.constexpr):
+                    BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_POS: tl.constexpr):
     h = tl.program_id(0)
     sp = tl.program_id(1)
     dlen = tl.load(dlen_ptr)
@@ -53,6 +54,8 @@ def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, a
         in_d = idx < dlen
         in_a = (idx >= dlen) & (idx < total)
         arow = (aoff + idx - dlen).to(tl.int64)
+        if HAS_POS:  # free slots (position -1) hold no key
+            in_a = in_a & (tl.load(apos_ptr + arow, mask=in_a, other=-1) >= 0)
         d_off = h.to(tl.int64) * s_dk_h + idx.to(tl.int64)[:, None] * s_dk_n + cols[None, :]
         a_off = arow[:, None] * s_ak_n + cols[None, :]
         k = tl.load(dk_ptr + d_off, mask=in_d[:, None], other=0.0) + tl.load(ak_ptr + a_off, mask=in_a[:, None], other=0.0)
@@ -99,14 +102,14 @@ def _probs_kernel(q_ptr, ak_ptr, apos_ptr, aoff_ptr, alen_ptr, lse_ptr, obs_ptr,
     aoff = tl.load(aoff_ptr + h)
     alen = tl.load(alen_ptr + h)
     idx = blk * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < alen
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + qh * D + cols).to(tl.float32)
     arow = (aoff + idx).to(tl.int64)
+    pos = tl.load(apos_ptr + arow, mask=idx < alen, other=-1)
+    ok = pos >= 0
     k = tl.load(ak_ptr + arow[:, None] * s_ak_n + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     s = tl.sum(k * q[None, :], axis=1) * scale
     lse = tl.load(lse_ptr + qh)
-    pos = tl.load(apos_ptr + arow, mask=ok, other=0)
     tl.store(probs_ptr + i.to(tl.int64) * n_audio + pos, tl.exp(s - lse), mask=ok)
 
 
@@ -126,7 +129,8 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
                      scratch: dict | None = None) -> torch.Tensor:
     """Single-query attention of one layer; returns (H_q, D) in q's dtype.
 
-    `max_audio_per_head` bounds every audio_len (a static number: it fixes the grid). When `observe`
+    `max_audio_per_head` bounds every audio_len (a static number: it fixes the grid). With `audio_pos`, slots
+    whose position is -1 are free and skipped. When `observe`
     (int32 query-head indices) is given, `probs_out` (len(observe), n_audio) float32 is zeroed and filled
     with the softmax weights at resident audio positions. `scratch` (a dict) keeps the split buffers between
     calls so that a captured graph reuses the same memory.
@@ -148,9 +152,10 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
     assert dense_k.stride(2) == 1 and audio_k.stride(1) == 1 and dense_k.stride() == dense_v.stride()
     assert audio_k.stride() == audio_v.stride()
     _partial_kernel[(H_kv, n_splits)](
-        q, dense_k, dense_v, dense_len, audio_k, audio_v, audio_off, audio_len, s["po"], s["plse"], scale,
+        q, dense_k, dense_v, dense_len, audio_k, audio_v, audio_off, audio_len,
+        audio_pos if audio_pos is not None else audio_len, s["po"], s["plse"], scale,
         dense_k.stride(0), dense_k.stride(1), audio_k.stride(0), n_splits,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, TILES=tiles,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, TILES=tiles, HAS_POS=audio_pos is not None,
         num_stages=3 if dense_k.element_size() <= 2 else 1)  # fp32 tiles of 3 stages overflow shared memory
     _combine_kernel[(H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                             NS_PAD=max(2, triton.next_power_of_2(n_splits)))

@@ -1,10 +1,12 @@
-"""Method registry: `method.name` -> policy class. Each method is one small file plus its YAML."""
+"""Method registry: `method.name` -> policy class. A method is one file (or package) here that registers its
+class with `@register`, plus its YAML in conf/method/; nothing else needs to know it."""
 
 from __future__ import annotations
 
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
 REGISTRY: dict[str, type[Policy]] = {"full": Policy}
+NOT_METHODS = ("base", "mismatch")  # the protocol, and the analysis wrapper (methods/mismatch.py)
 
 
 def register(cls: type[Policy]) -> type[Policy]:
@@ -31,7 +33,7 @@ def _import_all() -> None:
     import wnw_exp.methods as pkg
 
     for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name != "base":
+        if mod.name not in NOT_METHODS:
             importlib.import_module(f"wnw_exp.methods.{mod.name}")
 
 

@@ -31,8 +31,8 @@ import math
 import numpy as np
 import torch
 
-from wnw_exp.calibration.head_scores import resolve_head_scores
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.head_scores import resolve_head_scores
+from wnw_exp.kv.base import KVStore
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
@@ -86,7 +86,7 @@ class AudioKV(Policy):
             raise ValueError("audiokv: alpha and baseline_ratio must be in [0, 1], rho in (0, 1], window >= 1")
         self.alpha, self.rho, self.window, self.baseline_ratio = float(alpha), float(rho), int(window), float(baseline_ratio)
 
-    def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
+    def start(self, ctx: SampleContext, store: KVStore) -> None:
         super().start(ctx, store)
         if (ctx.n_layers, ctx.n_kv_heads) != self.scores.voice_score.shape:
             raise ValueError(f"voice scores are for {self.scores.voice_score.shape} (layers, KV heads), the model has "

@@ -2,6 +2,21 @@
 
 The engine calls these hooks at fixed points with plain tensors; a method overrides only the hooks it
 needs. `Full` is the base class itself: everything stays on the device.
+
+Prefill hooks (`start`, `prefill_transform`, `place`, `after_prefill`) run once per sample and may do anything.
+The decode hooks (`before_attention`, `observe`, `after_step`) run every step, and a method whose decode hooks are
+graph-safe (`graph_safe = True`) lets the engine capture them, with the step, in one CUDA graph: on a store that
+queues its moves (`store.queues_moves`, the packed GPU store) they then
+
+- observe inside the graph: accumulate what they watch into their own device tensors, in place;
+- decide on tensors: scores, top-k and any state machine as device tensors updated in place (no `.item()`,
+  `.cpu()`, `.tolist()`, Python branches on tensor values, or per-step Python state: a captured hook runs once,
+  at capture, and its recorded kernels every step after; `after_step` gets `step=None` there);
+- queue moves without a host sync: `store.recall` / `store.release` with fixed-shape (rows, positions, select)
+  tensors. Moves queued in `after_step` are applied by the engine before the next step (`store.flush`); a method
+  that moves before a layer's attention flushes that layer itself (`store.flush(layer)`).
+On the reference store (the CPU) the same hooks run eagerly and may use the host; that path is the specification
+the device path is tested against, step by step.
 """
 
 from __future__ import annotations
@@ -10,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.kv.base import KVStore
 
 
 @dataclass
@@ -53,11 +68,12 @@ class Policy:
     name = "full"
     packed_store = True  # False: the method needs the reference store (it merges tokens, or moves anything anytime)
     recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
+    graph_safe = True  # on a queuing store its decode hooks only launch device work: they may be captured
 
     def check(self, retention: float) -> None:
         """Refuse a configuration that cannot work, once before any sample (raise ValueError)."""
 
-    def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
+    def start(self, ctx: SampleContext, store: KVStore) -> None:
         """Called once per sample before prefill."""
         self.ctx, self.store = ctx, store
 
@@ -74,7 +90,8 @@ class Policy:
         """After prefill attention of `layer`: choose each KV head's GPU / CPU / dropped audio positions."""
 
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
-        """At decode, before attention of `layer`, with the step's query (H_q, D) after RoPE."""
+        """At decode, before attention of `layer`, with the step's query (H_q, D) after RoPE. Moves queued here
+        must be flushed here (`store.flush(layer)`) to be in force for this layer's attention."""
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         """At decode, after attention of `layer`: (len(observe_heads(layer)), n_audio) softmax weights."""
@@ -82,8 +99,9 @@ class Policy:
     def after_prefill(self) -> None:
         """After every layer's `place` (and the store's compaction): decisions in force at decode step 0."""
 
-    def after_step(self, step: int) -> None:
-        """After all layers of decode step `step`: decisions for the next step."""
+    def after_step(self, step: int | None) -> None:
+        """After all layers of decode step `step` (None inside a captured graph; -1 from `after_prefill`):
+        decisions for the next step."""
 
     def trace(self) -> dict:
         """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable."""

@@ -34,6 +34,7 @@ GRANULARITIES = ("token", "chunk")
 @dataclass(eq=False)
 class Oracle(Policy):
     name = "oracle"
+    graph_safe = False  # its per-step ranking and moves run on the host
 
     granularity: str = "token"
     chunk_seconds: float = 4.0
@@ -95,11 +96,12 @@ class Oracle(Policy):
         first_row = layer * self.ctx.n_kv_heads
         heads, pos = np.nonzero((resident & ~keep).numpy())
         if len(pos):
-            self.store.release_rows(heads + first_row, pos)
-            self.store.flush()  # the room the releases free is what the recalls fill
+            self.store.release(heads + first_row, pos)
+            self.store.flush(layer)  # the room the releases free is what the recalls fill
         heads, pos = np.nonzero((keep & ~resident).numpy())
         if len(pos):
-            self.store.recall_rows(heads + first_row, pos)
+            self.store.recall(heads + first_row, pos)
+            self.store.flush(layer)  # in force for this layer's attention
         self.resident[layer] = keep
 
     def knobs(self) -> dict:

@@ -25,7 +25,7 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
-from wnw_exp.engine.rundir import METRICS, PREDICTIONS, aggregate, identity_hash, read_predictions
+from wnw_exp.rundir import METRICS, PREDICTIONS, aggregate, identity_hash, read_predictions
 
 SHARD_KEY = "dataset.shard"
 

@@ -23,6 +23,13 @@ Recipe (per layer, per KV head; the text — ArkVale's sink and recent-window pa
    outside the top-k with the lowest score is released (its host copy persists) — ArkVale's `select_topk`.
    Resident pages that stay above the lowest scores stay, so the resident count is always P_head.
 With retention 1.0 every page is resident and nothing moves: exactly Full's tokens.
+
+Where step 5 runs: on the reference store (the CPU) per head on the host (`_swap_head`, the specification);
+on a store that queues its moves (the packed GPU store) on the device (`swap_pages`: the page scores, the
+top-k, the victims and the resident pages are tensors; ties are broken by page index, where the host's
+torch.topk leaves them unspecified), with the moves handed to the store as fixed-shape masks and flushed for the
+layer at once: ArkVale proper's timing (recall before the layer's attention) inside the step's CUDA graph. With
+the store's Triton kernels the whole swap and its queueing is one kernel per layer (`kernels.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from wnw_exp.methods import register
@@ -71,6 +77,7 @@ def page_scores(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Te
 @dataclass(eq=False)
 class ArkVale(Policy):
     name = "arkvale"
+    graph_safe = True  # on a queuing store step 5 runs on the device
 
     page_size: int = 32  # at most this many audio tokens per page
     topk_fraction: float = 0.5  # pages that must be resident each step, as a fraction of the page budget
@@ -89,8 +96,19 @@ class ArkVale(Policy):
         most = max(flat, default=0)
         self.recall_headroom = self.page_size * max(1, math.floor(self.topk_fraction * most)) + most
         self.digests: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (hi, lo) (H_kv, n_pages, D)
-        self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_pages) bool
+        self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_pages) bool (on the device on a queuing store)
         self.n_recalled_pages = 0
+        self.on_device = bool(store.queues_moves)
+        if self.on_device:
+            dev, H, n = ctx.device, ctx.n_kv_heads, ctx.n_audio
+            self._recalled = torch.zeros((), dtype=torch.long, device=dev)
+            self._page_of = torch.repeat_interleave(torch.arange(n_pages), self.bounds.diff()).to(dev)  # (n_audio,)
+            self._pos = torch.arange(n, device=dev).expand(H, n)
+            self._head = torch.arange(H, device=dev)[:, None].expand(H, n)
+            budget = torch.as_tensor(self.budget, device=dev)  # (L, H)
+            self._budget = budget
+            self._k = torch.clamp(torch.floor(self.topk_fraction * budget.double()).long(), min=1)
+            self._scratch: dict = {}  # the swap kernel's buffers
 
     def _positions(self, pages: torch.Tensor) -> torch.Tensor:
         b = self.bounds
@@ -120,26 +138,28 @@ class ArkVale(Policy):
             self.store.set_tiers(layer, head, self._positions(torch.sort(keep).values),
                                  self._positions(torch.arange(n_pages)))
         self.digests[layer] = (torch.stack(his), torch.stack(los))
-        self.resident[layer] = torch.stack(res)
+        self.resident[layer] = torch.stack(res).to(self.ctx.device) if self.on_device else torch.stack(res)
 
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
         if layer not in self.resident:
+            return
+        if self.on_device:
+            self._swap_device(layer, q)
             return
         hi, lo = self.digests[layer]
         self.select_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1), hi, lo).cpu())
 
     def select_pages(self, layer: int, scores: torch.Tensor) -> None:
-        """Step 5's page swap of `layer` from its (H_kv, n_pages) page scores, on the host."""
+        """Step 5's page swap of `layer` from its (H_kv, n_pages) page scores, on the host, per head in its row
+        order (the reference store appends each head's recalled positions in the order given)."""
         if layer not in self.resident:
             return
-        if hasattr(self.store, "recall_batch"):
-            self.select_pages_all(scores[None], [layer])
-            return
-        for head in range(self.ctx.n_kv_heads):  # the reference store: per head, in its row order
+        for head in range(self.ctx.n_kv_heads):
             victims, missing = self._swap_head(layer, head, scores[head])
             if len(missing):
-                self.store.release(layer, head, self._positions(victims))
-                self.store.recall(layer, head, self._positions(missing))
+                row = layer * self.ctx.n_kv_heads + head
+                self.store.release(row, self._positions(victims))
+                self.store.recall(row, self._positions(missing))
 
     def _swap_head(self, layer: int, head: int, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One head's swap (ArkVale's `select_topk`); updates `resident`, returns (victim, missing) pages."""
@@ -162,74 +182,41 @@ class ArkVale(Policy):
         self.n_recalled_pages += len(missing)
         return victims, missing
 
-    def select_pages_all(self, scores: torch.Tensor, layers: list[int] | None = None) -> None:
-        """`select_pages` for several layers at once on the packed store, vectorised over every (layer, head):
-        scores (len(layers), H_kv, n_pages), layers default: every paged layer (then scores is (L, H_kv, n_pages)).
+    def swap_pages(self, layer: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_swap_head` for every head of `layer` at once, on device tensors (graph-safe): scores (H_kv, n_pages)
+        -> (victims, missing) bool masks (H_kv, n_pages); updates `resident[layer]` in place. The top-k pages by
+        score (ties: the lower page) must be resident; each missing one displaces the resident page outside the
+        top-k with the lowest score (ties: the lower page)."""
+        resident, P = self.resident[layer], scores.shape[1]
+        ar = torch.arange(P, device=scores.device).expand_as(scores)
+        rank = torch.empty_like(ar).scatter_(1, torch.sort(scores, dim=1, descending=True, stable=True).indices, ar)
+        top = rank < self._k[layer][:, None]
+        missing = top & ~resident & (self._budget[layer] > 0)[:, None]
+        candidates = resident & ~top
+        low = torch.where(candidates, scores, torch.full_like(scores, math.inf))
+        rank_low = torch.empty_like(ar).scatter_(1, torch.sort(low, dim=1, stable=True).indices, ar)
+        victims = candidates & (rank_low < missing.sum(dim=1, keepdim=True))
+        resident.copy_((resident & ~victims) | missing)
+        return victims, missing
 
-        The same pages as the per-head `_swap_head`: the top-k set and the victim set are unique whenever the
-        k-th and (k+1)-th scores differ (resp. the m-th and (m+1)-th smallest candidate scores); a head with a
-        tie at either boundary, or a non-finite score, goes through `_swap_head` itself (torch.topk's choice).
-        Every head's moves are then queued in one release_rows and one recall_rows call (the packed store
-        sorts each head's positions, as its per-head `release` / `recall` do)."""
-        if layers is None:
-            layers = sorted(self.resident)
-            scores = scores[layers]
-        layers = [li for li in layers if li in self.resident]
-        if not layers:
-            return
-        H, P = self.ctx.n_kv_heads, len(self.bounds) - 1
-        if not hasattr(self, "_budget_np"):
-            b = self.bounds.numpy()
-            self._page_starts = b[:-1].astype(np.int64), np.diff(b).astype(np.int64)
-            self._budget_np = np.asarray(self.budget, np.int64)  # (L, H)
-        S = np.ascontiguousarray(scores.detach().cpu().float().numpy()).reshape(-1, P)
-        R = torch.stack([self.resident[li] for li in layers]).reshape(-1, P).numpy().copy()
-        p = self._budget_np[layers].reshape(-1)
-        n = len(S)
-        rows = np.arange(n)
-        k = np.maximum(1, np.floor(self.topk_fraction * p).astype(np.int64))
-        active = p > 0
-        order = np.argsort(-S, axis=1, kind="stable")
-        vals = np.take_along_axis(S, order, 1)
-        kc = np.minimum(k, P)
-        tie = (kc < P) & (vals[rows, kc - 1] == vals[rows, np.minimum(kc, P - 1)])
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.broadcast_to(np.arange(P), (n, P)), 1)
-        top = rank < k[:, None]
-        missing = top & ~R
-        m = missing.sum(1)
-        cand = R & ~top
-        order2 = np.argsort(np.where(cand, S, np.inf), axis=1, kind="stable")
-        vals2 = np.take_along_axis(np.where(cand, S, np.inf), order2, 1)
-        n_cand = cand.sum(1)
-        mc = np.clip(m, 1, P)
-        tie |= (m > 0) & (m < n_cand) & (vals2[rows, mc - 1] == vals2[rows, np.minimum(mc, P - 1)])
-        tie |= ~np.isfinite(S).all(1)
-        fast = active & ~tie & (m > 0)
-        rank2 = np.empty_like(order2)
-        np.put_along_axis(rank2, order2, np.broadcast_to(np.arange(P), (n, P)), 1)
-        victims = (rank2 < m[:, None]) & fast[:, None]
-        missing &= fast[:, None]
-        R[victims] = False
-        R[missing] = True
-        for i, li in enumerate(layers):
-            self.resident[li].copy_(torch.from_numpy(R[i * H:(i + 1) * H]))
-        self.n_recalled_pages += int(m[fast].sum())
-        for r in np.flatnonzero(active & tie):  # ties: the per-head rule itself
-            li, h = layers[r // H], int(r % H)
-            v, mi = self._swap_head(li, h, torch.from_numpy(S[r]))
-            victims[r, v.numpy()] = True
-            missing[r, mi.numpy()] = True
-        flat_row = np.asarray(layers, np.int64).repeat(H) * H + np.tile(np.arange(H), len(layers))
-        starts, sizes = self._page_starts
-        for mask, fn in ((victims, self.store.release_rows), (missing, self.store.recall_rows)):
-            r, pg = np.nonzero(mask)  # by head, then page: each head's positions ascending
-            if len(r):
-                sz = sizes[pg]
-                first = np.repeat(np.cumsum(sz) - sz, sz)
-                fn(np.repeat(flat_row[r], sz), np.repeat(starts[pg], sz) + np.arange(int(sz.sum())) - first)
+    def _swap_device(self, layer: int, q: torch.Tensor) -> None:
+        hi, lo = self.digests[layer]
+        if self.store.kernels == "triton":  # the same swap and queueing in one kernel (kernels.py)
+            from wnw_exp.methods.arkvale.kernels import swap
+
+            swap(q, hi, lo, self.resident[layer], self._k[layer], self._budget[layer], self._page_of, self.store,
+                 layer, self._recalled, self._scratch)
+        else:
+            victims, missing = self.swap_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1),
+                                                                  hi, lo))
+            rows = self._head + layer * self.ctx.n_kv_heads
+            self.store.release(rows, self._pos, select=victims[:, self._page_of])
+            self.store.recall(rows, self._pos, select=missing[:, self._page_of])
+            self._recalled += missing.sum()
+        self.store.flush(layer)  # in force for this layer's attention, as in ArkVale
 
     def knobs(self) -> dict:
         n_pages = len(self.bounds) - 1
         mean_budget = sum(map(sum, self.budget)) / (self.ctx.n_layers * self.ctx.n_kv_heads)
-        return dict(n_pages=n_pages, page_budget=mean_budget, recalled_pages=self.n_recalled_pages)
+        recalled = self.n_recalled_pages + (int(self._recalled) if self.on_device else 0)
+        return dict(n_pages=n_pages, page_budget=mean_budget, recalled_pages=recalled)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = "wnw-head-scores/1"
-SHIPPED_DIR = Path(__file__).parent / "shipped"
+SHIPPED_DIR = Path(__file__).parent / "calibration" / "shipped"  # what wnw-calibrate made for each model
 LAYOUT_KEYS = ("n_layers", "n_q_heads", "n_kv_heads")
 
 

@@ -62,7 +62,15 @@ shared by all tidal heads (they all follow the same anchor signal):
   positions it recalled leave the device again, so the segment returns to its prefill-selected subset.
   Prefill-selected positions are never released: they are the GPU-side starting point of each segment
   (§2.3: "a stable initial state for chunk swap"); only the recalled complement waxes and wanes.
-The decisions made after step s take effect at step s + 1.
+The decisions made after step s take effect at step s + 1 (`lag: 1`, §2.3); `lag: 2`, the pipelined variant, puts
+them in force one step later (an option of the benchmark, not of the paper).
+
+Where the chunk swap runs: on the reference store (the CPU) `triage.ChunkSwap` on the host, the specification;
+on a store that queues its moves (the packed GPU store) `triage.DeviceChunkSwap`, the same rule on device
+tensors: A, the chunk means, the top-k, the segment states and the recall/release masks never leave the device,
+and the tidal heads' host-tier (row, position) pairs are handed to the store with the segment masks as a
+fixed-shape `select`. The engine then flushes the store (the recalled rows are read from the pinned host mirror
+by the GPU) before the next step, so the whole decision can be captured in the step's CUDA graph.
 """
 
 from __future__ import annotations
@@ -72,9 +80,9 @@ import math
 import numpy as np
 import torch
 
-from wnw_exp.calibration import triage
-from wnw_exp.calibration.head_scores import resolve_head_scores
-from wnw_exp.kv.store import AudioKVStore
+from wnw_exp.methods.wnw import triage
+from wnw_exp.head_scores import resolve_head_scores
+from wnw_exp.kv.base import KVStore
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
@@ -87,14 +95,18 @@ DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it pe
 @register
 class WnW(Policy):
     name = "wnw"
+    graph_safe = True  # on a queuing store the chunk swap runs on the device (see the module docstring)
 
     def __init__(self, head_scores: str | None = None, n_voice: int | str = "auto", n_anchor: int | str = "auto",
                  lam: float | str = "auto", lambda_tolerance: float = 0.005, signal: str = "vs_hs",
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
                  top_k: int = 3, delta: int = 3, recall_budget: str = "expected", mobility: float | str = "auto",
-                 quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance",
+                 quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance", lag: int = 1,
                  backbone_info: dict | None = None, scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
+        if lag not in (1, 2):
+            raise ValueError(f"method.lag={lag!r}: 1 (a decision after step s is in force at s + 1) or 2 (pipelined)")
+        self.lag = int(lag)
         self.scores = scores if scores is not None else resolve_head_scores(head_scores, backbone_info or {})
         if backbone_info:
             self.scores.check_matches(backbone_info)
@@ -155,7 +167,7 @@ class WnW(Policy):
                              "tokens/s): use chunks of at least one token")
 
     # --- per sample -------------------------------------------------------------------------------
-    def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
+    def start(self, ctx: SampleContext, store: KVStore) -> None:
         super().start(ctx, store)
         if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
             raise ValueError(f"head scores are for {self.importance.shape} (layers, KV heads), the model has "
@@ -193,8 +205,22 @@ class WnW(Policy):
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self.offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._host_index: tuple[np.ndarray, np.ndarray] | None = None  # built at the first chunk swap
+        self._held: tuple = ([], [])  # lag 2: the decision waiting one step
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
                            resident_segments=[])
+        self.on_device = bool(store.queues_moves) and self.has_anchors and bool(self.swap.chunks)
+        if self.on_device:
+            dev, n_steps = ctx.device, store.dense_capacity + 2  # every decision of the sample (prefill's included)
+            self.device_swap = triage.DeviceChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, dev)
+            n_seg, n_ch = self.device_swap.n_seg, self.device_swap.n_chunks
+            self._t = torch.zeros((), dtype=torch.long, device=dev)  # decisions made so far
+            self._rec = dict(selected=torch.zeros(n_steps, n_ch, dtype=torch.bool, device=dev),
+                             recall=torch.zeros(n_steps, n_seg, dtype=torch.bool, device=dev),
+                             release=torch.zeros(n_steps, n_seg, dtype=torch.bool, device=dev),
+                             resident=torch.zeros(n_steps, dtype=torch.long, device=dev))
+            self._held_masks = (torch.zeros(n_seg, dtype=torch.bool, device=dev),
+                                torch.zeros(n_seg, dtype=torch.bool, device=dev))
+            self._pairs: tuple[torch.Tensor, ...] | None = None  # built at the first chunk swap
 
     @property
     def recall_headroom(self) -> np.ndarray:
@@ -260,18 +286,50 @@ class WnW(Policy):
         if self.swap_start == "prefill":
             self.after_step(-1)  # the first decision, from the prompt's last row, in force at decode step 0
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int | None) -> None:
         if not self.has_anchors:
+            return
+        if self.on_device:
+            self._after_step_device()
             return
         selected, recall, release = self.swap.step(self.scores_acc)
         self.scores_acc.zero_()  # A^(s) reflects only the current step
-        self._move(recall, recall=True)
-        self._move(release, recall=False)
+        moves = (recall, release)
+        if self.lag == 2:
+            moves, self._held = self._held, moves
+        self._move(moves[0], recall=True)
+        self._move(moves[1], recall=False)
         self._trace["selected_chunks"].append(selected)
         self._trace["recalled_segments"].append(recall)
         self._trace["released_segments"].append(release)
         self._trace["recalled_fraction"].append(self.swap.recalled_fraction)
         self._trace["resident_segments"].append(int(self.swap.recalled.sum()))
+
+    def _after_step_device(self) -> None:
+        """`after_step` on the device (graph-safe): decide, record the decision, queue the tidal heads' moves."""
+        selected, recall, release = self.device_swap.step(self.scores_acc)
+        self.scores_acc.zero_()
+        t = self._t.view(1)
+        for name, x in (("selected", selected), ("recall", recall), ("release", release),
+                        ("resident", self.device_swap.recalled.sum())):
+            self._rec[name].index_copy_(0, t, x.view(1, *x.shape))
+        self._t += 1
+        if self.lag == 2:  # queue the previous decision, keep this one for the next step
+            held_rec, held_rel = self._held_masks
+            (recall, release), now = (held_rec.clone(), held_rel.clone()), (recall, release)
+            held_rec.copy_(now[0])
+            held_rel.copy_(now[1])
+        if self._pairs is None:  # every tidal head's host-tier (row, position) pairs and their segments
+            H = self.ctx.n_kv_heads
+            rows = [torch.full((len(c),), li * H + k) for (li, k), c in self.offloaded.items()]
+            pos = list(self.offloaded.values())
+            rows, pos = (torch.cat(rows), torch.cat(pos)) if rows else (torch.zeros(0, dtype=torch.long),) * 2
+            dev = self.ctx.device
+            self._pairs = rows.to(dev), pos.to(dev), (pos // self.n_s).to(dev)
+        rows, pos, seg = self._pairs
+        if len(pos):
+            self.store.recall(rows, pos, select=recall[seg])
+            self.store.release(rows, pos, select=release[seg])
 
     def _move(self, segs: list[int], recall: bool) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the
@@ -295,7 +353,7 @@ class WnW(Policy):
             idx = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
             r, p = rows[idx], pos[idx]
         if len(p):
-            (self.store.recall_rows if recall else self.store.release_rows)(r, p)
+            (self.store.recall if recall else self.store.release)(r, p)
 
     # --- records ------------------------------------------------------------------------------------
     def knobs(self) -> dict:
@@ -305,7 +363,17 @@ class WnW(Policy):
                     n_tidal=len(self.tidal), signal=self.signal, selection=self.selection, n_s=self.n_s,
                     n_c=self.n_c, top_k=self.top_k, delta=self.delta, quota=self.quota, swap_start=self.swap_start,
                     head_scale=self.head_scale,
-                    head_scores=self.scores.path)
+                    head_scores=self.scores.path, **({"lag": self.lag} if self.lag != 1 else {}))
 
     def trace(self) -> dict:
+        if self.on_device:  # the decisions recorded on the device, as the host swap lists them
+            n = int(self._t)
+            rec = {k: v[:n].cpu() for k, v in self._rec.items()}
+            lists = lambda m: [row.nonzero().flatten().tolist() for row in m]  # noqa: E731
+            resident = rec["resident"].tolist()
+            n_seg = self.device_swap.n_seg
+            self._trace = dict(selected_chunks=lists(rec["selected"]), recalled_segments=lists(rec["recall"]),
+                               released_segments=lists(rec["release"]),
+                               recalled_fraction=[r / n_seg if n_seg else 0.0 for r in resident],
+                               resident_segments=resident)
         return dict(wnw=self._trace, roles=self.roles.tolist(), retention=np.round(self.retention, 6).tolist())

@@ -18,6 +18,10 @@ The weights are those the decode step really used: run the analysis with `method
 compressing method, positions that are not on the device have weight 0). A layer whose audio length
 differs from the prompt's (AffPool merges tokens) cannot be averaged position by position and is left
 out; the trace says which layers were used.
+
+The recorder is a method wrapper, not a method: it defines only the hooks it records in, and every other
+attribute (class attributes such as `packed_store` and `recall_headroom`, the method's own state, hooks it does
+not record) is the wrapped method's. Its recording keeps host state per step, so it is not graph-safe.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from wnw_exp.kv.store import AudioKVStore
-from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.kv.base import KVStore
+from wnw_exp.methods.base import Policy, SampleContext
 from wnw_exp.metrics.mismatch import (expected_random_jaccard, mass_fractions, random_jaccard_baseline,
                                       topk_jaccard)
 
@@ -34,20 +38,21 @@ JACCARD_KS = (100, 500)  # §2.1
 PER_HEAD_K = 100
 
 
-class MismatchRecorder(Policy):
-    """Records prefill (first answer token) and decode-cumulative attention per audio position."""
+class MismatchRecorder:
+    """Records prefill (first answer token) and decode-cumulative attention per audio position, around `inner`."""
+
+    graph_safe = False  # per-step host state (the first step's weights, the step count)
 
     def __init__(self, inner: Policy, ks: tuple[int, ...] = JACCARD_KS, per_head_k: int = PER_HEAD_K):
         self.inner, self.ks, self.per_head_k = inner, tuple(ks), per_head_k
-        self.name = inner.name
 
-    def __getattr__(self, attr):  # anything else a caller may read from the method (only called on a miss)
+    def __getattr__(self, attr):  # every attribute the recorder does not define is the wrapped method's
         if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
-    # --- hooks: the wrapped policy first, then the recording -----------------------------------
-    def start(self, ctx: SampleContext, store: AudioKVStore) -> None:
+    # --- the hooks it records in: the wrapped policy first, then the recording ---------------------
+    def start(self, ctx: SampleContext, store: KVStore) -> None:
         self.inner.start(ctx, store)
         self.ctx, self.store = ctx, store
         self._inner_heads: dict[int, list[int]] = {}
@@ -58,15 +63,6 @@ class MismatchRecorder(Policy):
     def observe_heads(self, layer: int) -> list[int]:
         self._inner_heads[layer] = list(self.inner.observe_heads(layer))
         return list(range(self.ctx.n_q_heads))
-
-    def prefill_transform(self, layer, hidden, positions, audio_span):
-        return self.inner.prefill_transform(layer, hidden, positions, audio_span)
-
-    def place(self, layer: int, scores: PrefillScores) -> None:
-        self.inner.place(layer, scores)
-
-    def before_attention(self, layer: int, q: torch.Tensor) -> None:
-        self.inner.before_attention(layer, q)
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         wanted = self._inner_heads.get(layer, [])
@@ -80,15 +76,9 @@ class MismatchRecorder(Policy):
         else:
             self._sum[layer] = p.clone()
 
-    def after_prefill(self) -> None:
-        self.inner.after_prefill()
-
     def after_step(self, step: int) -> None:
         self.inner.after_step(step)
         self._n_steps += 1
-
-    def knobs(self) -> dict:
-        return self.inner.knobs()
 
     # --- the record --------------------------------------------------------------------------------
     def trace(self) -> dict:

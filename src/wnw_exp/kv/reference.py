@@ -1,8 +1,9 @@
-"""The KV-tier store: per layer a dense part for non-audio tokens and, per KV head, audio positions in
-three tiers — GPU-resident (physically packed), CPU-resident (recallable) and dropped.
+"""The reference KV-tier store (`kv.base.KVStore`): per layer a dense part for non-audio tokens and, per KV head,
+audio positions in three tiers — GPU-resident (physically packed), CPU-resident (recallable) and dropped.
 
-This file is the reference implementation and the specification: plain tensors, one loop over KV heads.
-Keys are stored after RoPE, so a position's key never changes when it moves between tiers.
+This file is the specification: plain tensors, one loop over KV heads, moves that act at once (a head's recalled
+positions are appended in the order given, so the order of its keys is the caller's). Keys are stored after
+RoPE, so a position's key never changes when it moves between tiers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from wnw_exp.kv.base import StepAccounting, StepRecord, flat_pairs
 
 
 @dataclass
@@ -23,59 +26,6 @@ class HeadTiers:
     cpu_pos: torch.Tensor  # (n_cpu,) long, on host; sorted
     cpu_k: torch.Tensor  # (n_cpu, D), on host (pinned when the device is CUDA)
     cpu_v: torch.Tensor
-
-
-@dataclass
-class StepRecord:
-    n_gpu: int  # audio KV tokens on the device, all layers and heads
-    n_gpu_cpu: int  # audio KV tokens on the device or recallable from the host (union)
-    h2d_bytes: int  # bytes copied host -> device during the step
-
-
-class StepAccounting:
-    """§3.4 accounting shared by every store: one StepRecord per decode step, and the run's summary.
-
-    A store provides `n_full`, `n_gpu()`, `n_gpu_cpu()`, `audio_bytes_on_device()`, a `steps` list
-    and the `_h2d_this_step` byte counter its recalls add to.
-    """
-
-    def recall_rows(self, rows, pos) -> int:
-        """`recall` for many heads at once: flat arrays, row = layer * n_kv_heads + head, one entry per
-        position. This default calls `recall` head by head; the packed store does it in one vectorised call."""
-        return self._per_head(self.recall, rows, pos)
-
-    def release_rows(self, rows, pos) -> int:
-        """`release` for many heads at once (see `recall_rows`)."""
-        return self._per_head(self.release, rows, pos)
-
-    def _per_head(self, fn, rows, pos) -> int:
-        rows, pos = np.asarray(rows, np.int64), np.asarray(pos, np.int64)
-        n = 0
-        for r in np.unique(rows):
-            n += fn(int(r) // self.n_kv_heads, int(r) % self.n_kv_heads, torch.from_numpy(np.sort(pos[rows == r])))
-        return n
-
-    def flush(self) -> None:
-        """Apply queued moves now. The reference store applies every move at once: nothing is queued."""
-
-    def end_step(self) -> StepRecord:
-        rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)
-        self.steps.append(rec)
-        self._h2d_this_step = 0
-        return rec
-
-    def summary(self) -> dict:
-        """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, MB/step, bytes held."""
-        full = max(self.n_full, 1)
-        steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
-        return dict(
-            r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
-            r_gpu_cpu=sum(s.n_gpu_cpu for s in steps) / len(steps) / full,
-            r_gpu_end=steps[-1].n_gpu / full,
-            r_gpu_cpu_end=steps[-1].n_gpu_cpu / full,
-            mb_per_step=sum(s.h2d_bytes for s in steps) / len(steps) / 1e6,
-            audio_bytes_on_device=self.audio_bytes_on_device(),
-        )
 
 
 @dataclass
@@ -94,6 +44,7 @@ class AudioKVStore(StepAccounting):
     layer_audio: list[int] = field(default_factory=list)  # audio tokens of a layer (< n_audio after merging)
     steps: list[StepRecord] = field(default_factory=list)
     _h2d_this_step: int = 0
+    queues_moves = False  # recall and release act at once
 
     # --- writing ------------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
@@ -145,12 +96,38 @@ class AudioKVStore(StepAccounting):
         x = x.to("cpu", copy=True)
         return x.pin_memory() if self.device.type == "cuda" else x
 
+    def compact(self, headroom: int | np.ndarray = 0) -> None:
+        """Nothing to do: `set_tiers` already keeps exactly-sized tensors, and a recall grows a head's own."""
+
     # --- moving between tiers -----------------------------------------------------------------
-    def recall(self, layer: int, head: int, positions: torch.Tensor) -> int:
+    def recall(self, rows, positions, select=None) -> int:
         """Copy host-resident positions back to the device (the host copy stays). Returns how many moved.
 
-        Positions already on the device are skipped; a position with no host copy is an error.
-        """
+        Positions already on the device are skipped; a position with no host copy is an error. Each head's
+        positions are appended in the order given."""
+        return self._per_head(self._recall_head, rows, positions, select)
+
+    def release(self, rows, positions, select=None) -> int:
+        """Free device copies of positions that have a host copy. Returns how many were released."""
+        return self._per_head(self._release_head, rows, positions, select)
+
+    def flush(self, layer: int | None = None) -> None:
+        """Nothing is ever queued."""
+
+    def check(self) -> None:
+        """Every move raised at once if it could not be made."""
+
+    def _per_head(self, fn, rows, positions, select) -> int:
+        rows, pos = flat_pairs(rows, positions, select)
+        order = np.argsort(rows, kind="stable")  # by head, each head's positions in the order given
+        rows, pos = rows[order], pos[order]
+        n = 0
+        for r, start in zip(*np.unique(rows, return_index=True)):
+            end = np.searchsorted(rows, r, side="right")
+            n += fn(int(r) // self.n_kv_heads, int(r) % self.n_kv_heads, torch.from_numpy(pos[start:end].copy()))
+        return n
+
+    def _recall_head(self, layer: int, head: int, positions: torch.Tensor) -> int:
         t = self.heads[layer][head]
         positions = positions.to("cpu").long()
         on_gpu = torch.isin(positions, t.gpu_pos.cpu())
@@ -171,8 +148,7 @@ class AudioKVStore(StepAccounting):
         t.gpu_v = torch.cat([t.gpu_v, v])
         return len(positions)
 
-    def release(self, layer: int, head: int, positions: torch.Tensor) -> int:
-        """Free device copies of positions that have a host copy. Returns how many were released."""
+    def _release_head(self, layer: int, head: int, positions: torch.Tensor) -> int:
         t = self.heads[layer][head]
         positions = positions.to(self.device).long()
         if not bool(torch.isin(positions, t.cpu_pos.to(self.device)).all()):
@@ -238,11 +214,6 @@ class AudioKVStore(StepAccounting):
         return out.view(H * g, D).to(q.dtype), observed
 
     # --- accounting (§3.4) --------------------------------------------------------------------
-    @property
-    def n_full(self) -> int:
-        """N_full^audio = L * H_kv * N_audio."""
-        return self.n_layers * self.n_kv_heads * self.n_audio
-
     def n_gpu(self) -> int:
         return sum(len(t.gpu_pos) for layer in self.heads for t in layer)
 

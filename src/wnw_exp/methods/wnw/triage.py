@@ -23,6 +23,8 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
   over the segments (segment [a, b) keeps floor(ret * b) - floor(ret * a)), so a head with
   retention < 1 / n_s still keeps floor(ret * n_audio) positions instead of none.
 - `segment_bounds` / `chunk_bounds`: the segment and chunk grid of §2.3.
+- `ChunkSwap`: the decode-time chunk selection and segment state machine on host arrays (the specification);
+  `DeviceChunkSwap` the same on device tensors, updated in place, so that a CUDA graph can hold it.
 """
 
 from __future__ import annotations
@@ -423,3 +425,44 @@ class ChunkSwap:
     def recalled_fraction(self) -> float:
         """Fraction of the audio's segments currently recalled."""
         return int(np.count_nonzero(self.recalled)) / len(self.recalled) if len(self.recalled) else 0.0
+
+
+class DeviceChunkSwap:
+    """`ChunkSwap` on device tensors: the same chunks (top-k by the mean of A, from float64 prefix sums; ties: the
+    earlier chunk), the same segment state machine, the decisions as masks; the state is updated in place and
+    nothing reads the host, so a CUDA graph can capture `step`.
+
+    `step(a)` returns (selected (n_chunks,), recall (n_seg,), release (n_seg,)) bool masks: what `ChunkSwap.step`
+    returns as sorted lists. (A GPU's parallel prefix sum may round differently from the host's sequential one,
+    which can only matter for chunks whose means tie to the last bit.)
+    """
+
+    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, device: torch.device):
+        host = ChunkSwap(n_audio, n_s, n_c, top_k, delta)
+        self.n_seg, self.n_chunks = len(host.segments), len(host.chunks)
+        self.k, self.delta = min(top_k, self.n_chunks), delta
+        self.starts = torch.as_tensor(host._starts, device=device)
+        self.ends = torch.as_tensor(host._ends, device=device)
+        self.length = (self.ends - self.starts).double()
+        self.member = torch.zeros(self.n_chunks, self.n_seg, dtype=torch.bool, device=device)  # chunk -> segments
+        for c, segs in enumerate(host.chunk_segments):
+            self.member[c, segs] = True
+        self.recalled = torch.zeros(self.n_seg, dtype=torch.bool, device=device)
+        self.unselected = torch.zeros(self.n_seg, dtype=torch.long, device=device)
+        self._c = torch.zeros(n_audio + 1, dtype=torch.float64, device=device)
+
+    def step(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        torch.cumsum(a.double(), 0, out=self._c[1:])
+        mean = (self._c[self.ends] - self._c[self.starts]) / self.length
+        top = torch.sort(-mean, stable=True).indices[: self.k]
+        selected = torch.zeros(self.n_chunks, dtype=torch.bool, device=a.device).index_fill_(0, top, True)
+        wanted = (self.member & selected[:, None]).any(dim=0)
+        recall = wanted & ~self.recalled
+        self.recalled |= wanted
+        self.unselected.masked_fill_(wanted, 0)
+        idle = self.recalled & ~wanted
+        self.unselected += idle
+        release = idle & (self.unselected >= self.delta)
+        self.recalled &= ~release
+        self.unselected.masked_fill_(release, 0)
+        return selected, recall, release

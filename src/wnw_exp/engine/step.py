@@ -1,0 +1,182 @@
+"""One decode step (one token, batch 1) in two implementations with one interface, and its CUDA-graph capture.
+
+- `TorchStep`, the reference: the backbone's HF modules layer by layer (`backbones.layer.decoder_layer`, the body
+  prefill and calibration run too) over any KV store's `attend`, with the method's `before_attention` and
+  `observe` hooks around it. It is what the CPU runs, and the specification the fused step is tested against.
+- `FusedStep`: the same arithmetic in ~10 kernels a layer over the packed store (the HF layer spends about 30
+  small kernels a layer on one token: fp32 casts in RMSNorm, `rotate_half` with `cat`, three q/k/v GEMVs, two MLP
+  GEMVs, residual adds; inside one CUDA graph they, not the weight reads, bound the step):
+
+      add+RMSNorm -> one q|k|v GEMM -> RoPE + KV append -> attention (2 Triton kernels)
+      -> o GEMM -> add+RMSNorm -> one gate|up GEMM -> SiLU*mul -> down GEMM   (the residual add of the
+      down projection is fused into the next layer's add+RMSNorm)
+
+  on the backbone's fused weights (`Backbone.fused_layers`) and its RoPE table (`Backbone.rope_table`: every
+  position the run can reach, M-RoPE included). `kernels="triton"` uses `engine/triton_ops.py` and the packed
+  store's Triton attention (CUDA, or Triton's interpreter on a CPU); `kernels="torch"` the PyTorch equivalents
+  below, which round exactly where the HF modules round: the specification the kernels are tested against.
+  Nothing in it reads the host, and the method's hooks it calls must not either (`Policy.graph_safe`).
+
+Both take the step's token from `tok` (device long) and leave the next one there (the argmax of `logits`); the
+step index selects the RoPE row (`FusedStep` keeps it on the device, `t`). Speed is a wrapper around the same step,
+gpt-fast's way: `CapturedStep` records one call of a function (the engine's step plus the method's decision and
+the store's moves) in a CUDA graph and replays it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from wnw_exp.backbones.layer import decoder_layer
+
+
+class TorchStep:
+    """The reference decode step over any KV store (eager)."""
+
+    def __init__(self, backbone, store, policy, cos: torch.Tensor, sin: torch.Tensor):
+        self.backbone, self.store, self.policy = backbone, store, policy
+        self.dims = (backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim)
+        self.cos, self.sin = cos, sin  # (n_steps, D)
+        self.observers = {li: policy.observe_heads(li) for li in range(backbone.n_layers)}
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=backbone.device)
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, step: int) -> None:
+        bb = self.backbone
+        hidden = bb.embed_tokens(self.tok)
+        cos, sin = self.cos[None, step:step + 1], self.sin[None, step:step + 1]
+        for li, layer in enumerate(bb.layers):
+            hidden = decoder_layer(layer, hidden, cos, sin, partial(self._attend, li), self.dims)
+        self.logits = bb.lm_head(bb.final_norm(hidden))[0, -1].float()
+        self.tok = torch.argmax(self.logits).view(1, 1)
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        q = q[0, :, 0]
+        self.policy.before_attention(layer, q)
+        out, probs = self.store.attend(layer, q, k[0, :, 0], v[0, :, 0], scale, self.observers[layer])
+        if probs is not None:
+            self.policy.observe(layer, probs)
+        return out.view(1, q.shape[0], 1, -1)
+
+
+class FusedStep:
+    """The fused decode step over a `PackedAudioKVStore`, in static buffers (graph-safe).
+
+    `observe_heads` of the method decide, per layer, which query heads' softmax weights at audio positions the
+    attention writes into a static buffer for `policy.observe(layer, probs)`; `policy.before_attention(layer, q)`
+    gets the step's RoPE'd query (H_q, D) right after it is computed. `body()` runs the embedding and the layers,
+    `head()` the final norm, the LM head, the argmax and the step counters: the engine runs the method's decision
+    and the store's moves between the two, on a side stream on CUDA.
+    """
+
+    def __init__(self, backbone, store, policy, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "triton"):
+        self.store, self.policy = store, policy
+        self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
+        self.layers = backbone.fused_layers()
+        self.add_rmsnorm, self.rope_append, self.silu_mul = _ops(kernels)
+        self.embed = backbone.embed_tokens.weight
+        self.norm_f, self.eps_f = backbone.final_norm.weight, float(backbone.final_norm.variance_epsilon)
+        self.lm_w, self.lm_b = backbone.lm_head.weight, backbone.lm_head.bias
+        self.cos, self.sin = cos.contiguous(), sin.contiguous()
+        dev, dt = store.device, self.embed.dtype
+        hid, inter = self.embed.shape[1], self.layers[0].w_down.shape[1]
+        self.hidden = torch.zeros(hid, device=dev, dtype=dt)
+        self.normed = torch.empty(hid, device=dev, dtype=dt)
+        self.q = torch.empty(self.n_q, self.d, device=dev, dtype=dt)
+        self.act = torch.empty(inter, device=dev, dtype=dt)
+        self.tok = torch.zeros(1, 1, device=dev, dtype=torch.long)
+        self.t = torch.zeros(1, device=dev, dtype=torch.long)  # the step index: the RoPE table's row
+        self.logits: torch.Tensor | None = None
+        self.observe: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for li in range(len(self.layers)):
+            heads = policy.observe_heads(li)
+            if heads:
+                self.observe[li] = (torch.tensor(heads, dtype=torch.int32, device=dev),
+                                    torch.zeros(len(heads), store.n_audio, device=dev))
+
+    def __call__(self, step: int | None = None) -> None:
+        self.body()
+        self.head()
+
+    def body(self) -> None:
+        s = self.store
+        torch.index_select(self.embed, 0, self.tok.view(1), out=self.hidden.view(1, -1))
+        delta = None
+        for li, w in enumerate(self.layers):
+            self.add_rmsnorm(self.hidden, delta, w.ln1, w.eps, self.normed)
+            qkv = F.linear(self.normed, w.w_qkv, w.b_qkv)
+            self.rope_append(qkv, self.cos, self.sin, self.t, s.dense_len, self.q, s.dense_k[li], s.dense_v[li],
+                             self.n_q, self.n_kv, self.d)
+            self.policy.before_attention(li, self.q)
+            obs, probs = self.observe.get(li, (None, None))
+            out = s.attend_device(li, self.q, w.scale, obs, probs)
+            if obs is not None:
+                self.policy.observe(li, probs)
+            delta = F.linear(out.view(-1), w.w_o, w.b_o)
+            self.add_rmsnorm(self.hidden, delta, w.ln2, w.eps, self.normed)
+            self.silu_mul(F.linear(self.normed, w.w_gate_up), self.act)
+            delta = F.linear(self.act, w.w_down)
+        self._delta = delta
+
+    def head(self) -> None:
+        self.add_rmsnorm(self.hidden, self._delta, self.norm_f, self.eps_f, self.normed)
+        self.logits = F.linear(self.normed, self.lm_w, self.lm_b)  # inside a graph: its static output
+        torch.argmax(self.logits, dim=-1, keepdim=True, out=self.tok.view(1))
+        self.t += 1
+        self.store.advance()
+
+
+class CapturedStep:
+    """`fn` recorded once in a CUDA graph (run it eagerly at least once before, so that kernels are compiled and
+    buffers allocated), replayed by each call: the same work, launched as one graph."""
+
+    def __init__(self, fn):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+# --- the torch equivalents of the Triton kernels (the specification) ----------------------------------
+def add_rmsnorm_torch(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      out: torch.Tensor) -> torch.Tensor:
+    if delta is not None:
+        hidden.add_(delta)  # a bf16 add rounds once, as `hidden + out` in the HF layer
+    x = hidden.float()
+    y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(hidden.dtype)
+    torch.mul(weight, y, out=out)
+    return out
+
+
+def rope_append_torch(qkv, cos_table, sin_table, pos, dense_len, q_out, dense_k, dense_v, n_q, n_kv, head_dim):
+    x = qkv.view(n_q + 2 * n_kv, head_dim)
+    qk = x[: n_q + n_kv]
+    cos, sin = cos_table.index_select(0, pos.view(1)), sin_table.index_select(0, pos.view(1))  # (1, D)
+    h = head_dim // 2
+    rot = torch.cat([-qk[:, h:], qk[:, :h]], dim=-1)
+    y = qk * cos + rot * sin  # each product and the sum round to the model dtype, as HF's apply_rotary_pos_emb
+    q_out.copy_(y[:n_q])
+    dense_k.index_copy_(1, dense_len.view(1), y[n_q:, None])
+    dense_v.index_copy_(1, dense_len.view(1), x[n_q + n_kv:, None])
+    return q_out
+
+
+def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    n = out.numel()
+    torch.mul(F.silu(gate_up[:n]), gate_up[n:], out=out)
+    return out
+
+
+def _ops(kernels: str):
+    """(add_rmsnorm, rope_append, silu_mul) of an implementation."""
+    if kernels == "triton":
+        from wnw_exp.engine import triton_ops as t
+        return t.add_rmsnorm, t.rope_append, t.silu_mul
+    if kernels == "torch":
+        return add_rmsnorm_torch, rope_append_torch, silu_mul_torch
+    raise ValueError(f"unknown kernels {kernels!r}: triton or torch")

@@ -1,0 +1,119 @@
+"""The KV-tier store protocol, and the §3.4 accounting every store shares.
+
+A store holds, per layer, a dense part for the non-audio tokens (the prompt's text, every generated token) and,
+per KV head, the audio positions in three tiers: on the device, on the host (recallable), dropped. Keys are
+stored after RoPE, so a position's key never changes when it moves. Two implementations: `reference.AudioKVStore`
+(the specification: plain tensors, one loop over KV heads, moves act at once) and `packed.PackedAudioKVStore`
+(the GPU store: packed buffers, device-side bookkeeping, queued moves a CUDA graph can hold).
+
+Moves address (layer, KV head) pairs by their row, `layer * n_kv_heads + head`. `recall(rows, positions)` and
+`release(rows, positions)` are the only two move calls: `rows` is one row or one row per position, `positions`
+the audio positions, and `select` (optional, bool, one per pair) says which of the pairs to move, so that a
+device-side policy can hand over fixed-shape tensors (no host read). Resident positions are skipped by recall,
+non-resident ones by release; a position without a host copy cannot be moved (it would be lost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepRecord:
+    n_gpu: int  # audio KV tokens on the device, all layers and heads
+    n_gpu_cpu: int  # audio KV tokens on the device or recallable from the host (union)
+    h2d_bytes: int  # bytes copied host -> device during the step
+
+
+class KVStore(Protocol):
+    """What the engine and the methods call. Layers are written in order at prefill, then decoded step by step."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    n_audio: int  # audio tokens of the prompt, before any merging: N_audio of §3.4
+    device: torch.device
+    layer_audio: list[int]  # audio tokens of each layer (fewer than n_audio after token merging)
+    queues_moves: bool  # False: recall/release act at once, in call order; True: they are applied by `flush`
+
+    def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
+        """k, v (H_kv, T, D) of the prompt after RoPE; every audio position starts on the device."""
+
+    def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
+        """After prefill: keep `gpu` on the device, give `cpu` a host copy, drop the rest (overlap = a mirror)."""
+
+    def compact(self, headroom: int | np.ndarray = 0) -> None:
+        """After every layer's `set_tiers`: free what was dropped, keeping `headroom` rows per head for recalls."""
+
+    def recall(self, rows, positions, select: torch.Tensor | None = None) -> int | None:
+        """Copy host-tier positions back to the device (the host copy stays). Returns how many (None in a graph)."""
+
+    def release(self, rows, positions, select: torch.Tensor | None = None) -> int | None:
+        """Free the device copies of positions that have a host copy. Returns how many (None in a graph)."""
+
+    def flush(self, layer: int | None = None) -> None:
+        """Apply the queued moves (of one layer, or all) before the attention that must see them."""
+
+    def check(self) -> None:
+        """After decoding: raise if a move could not be made (a captured flush cannot raise when it happens)."""
+
+    def dense_keys(self, layer: int) -> torch.Tensor:
+        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+               observe: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of one layer: appends k_new, v_new (H_kv, D); q (H_q, D) after RoPE. Returns the
+        output (H_q, D) and, for the query heads in `observe`, their softmax weights at the audio positions."""
+
+    def end_step(self) -> StepRecord:
+        """Close a decode step's accounting."""
+
+    def summary(self) -> dict:
+        """r_GPU, r_GPU+CPU (mean over decode steps and at the end), MB/step, physical bytes held."""
+
+
+def flat_pairs(rows, positions, select=None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, positions) as flat int64 host arrays of equal length, `rows` broadcast, only the `select`ed pairs."""
+    pos = np.asarray(positions.detach().cpu() if torch.is_tensor(positions) else positions, np.int64).ravel()
+    r = np.asarray(rows.detach().cpu() if torch.is_tensor(rows) else rows, np.int64).ravel()
+    r = np.broadcast_to(r, pos.shape) if r.size == 1 else r
+    if select is not None:
+        keep = np.asarray(select.detach().cpu() if torch.is_tensor(select) else select, bool).ravel()
+        r, pos = r[keep], pos[keep]
+    return r, pos
+
+
+class StepAccounting:
+    """§3.4 accounting shared by every store: one StepRecord per decode step, and the run's summary.
+
+    A store provides `n_full`, `n_gpu()`, `n_gpu_cpu()`, `audio_bytes_on_device()`, a `steps` list
+    and the `_h2d_this_step` byte counter its recalls add to.
+    """
+
+    def end_step(self) -> StepRecord:
+        rec = StepRecord(self.n_gpu(), self.n_gpu_cpu(), self._h2d_this_step)
+        self.steps.append(rec)
+        self._h2d_this_step = 0
+        return rec
+
+    @property
+    def n_full(self) -> int:
+        """N_full^audio = L * H_kv * N_audio."""
+        return self.n_layers * self.n_kv_heads * self.n_audio
+
+    def summary(self) -> dict:
+        """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, MB/step, bytes held."""
+        full = max(self.n_full, 1)
+        steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
+        return dict(
+            r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
+            r_gpu_cpu=sum(s.n_gpu_cpu for s in steps) / len(steps) / full,
+            r_gpu_end=steps[-1].n_gpu / full,
+            r_gpu_cpu_end=steps[-1].n_gpu_cpu / full,
+            mb_per_step=sum(s.h2d_bytes for s in steps) / len(steps) / 1e6,
+            audio_bytes_on_device=self.audio_bytes_on_device(),
+        )

@@ -1,0 +1,112 @@
+"""Triton kernels of the packed store's moves: one launch applies a flush (`PackedAudioKVStore.flush`'s PyTorch
+code, the specification, is some 35 small kernels), and the GPU reads the recalled rows from the pinned host
+mirror itself (zero-copy over PCIe: no host thread, no staging buffer), so a CUDA graph can hold the whole move.
+
+`flush_rows`: one program per head (row) that can move. Recalls first: the row's recalled positions (queued, not
+resident), ascending, go to its free slots (position -1), ascending, their K/V rows copied from the host mirror;
+what finds no free slot is counted in `overflow`. Then releases free the slots of the queued positions; the
+row's resident count and scan length (one past its highest occupied slot) are rebuilt and its queues cleared.
+`read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
+Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SCAN, COPY = 1024, 64  # positions or slots per iteration: mask scans; slot scans that copy (COPY x D) K/V tiles
+
+
+@triton.jit
+def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_ptr, pos_ptr, hk_ptr, hv_ptr, ak_ptr,
+                       av_ptr, scratch_ptr, n_res_ptr, alen_ptr, overflow_ptr, recalled_ptr, N,
+                       D: tl.constexpr, SCAN: tl.constexpr, COPY: tl.constexpr):
+    i = tl.program_id(0)
+    r = tl.load(rows_ptr + i).to(tl.int64)
+    base = tl.load(base_ptr + r).to(tl.int64)
+    cap = tl.load(cap_ptr + r).to(tl.int64)
+    lane = tl.arange(0, SCAN)
+    copy_lane = tl.arange(0, COPY)
+    cols = tl.arange(0, D)
+    row_n = r * N
+    # 1a. the recalled positions (queued, not resident), ascending, listed in this program's scratch row
+    n_rec = 0
+    for p0 in range(0, N, SCAN):
+        p = p0 + lane
+        m = p < N
+        want = m & (tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0) \
+            & (tl.load(slot_of_ptr + row_n + p, mask=m, other=0) < 0)
+        k = n_rec + tl.cumsum(want.to(tl.int32), 0) - 1
+        tl.store(scratch_ptr + i.to(tl.int64) * N + k, p, mask=want)
+        n_rec += tl.sum(want.to(tl.int32), 0)
+    tl.debug_barrier()
+    # 1b. the k-th free slot takes the k-th recalled position: its K/V from the host mirror
+    n_free = 0
+    for s0 in range(0, cap, COPY):
+        s = s0 + copy_lane
+        m = s < cap
+        free = m & (tl.load(pos_ptr + base + s, mask=m, other=0) < 0)
+        k = n_free + tl.cumsum(free.to(tl.int32), 0) - 1
+        fill = free & (k < n_rec)
+        p = tl.load(scratch_ptr + i.to(tl.int64) * N + k, mask=fill, other=0)
+        src = (row_n + p.to(tl.int64))[:, None] * D + cols[None, :]
+        dst = (base + s)[:, None] * D + cols[None, :]
+        f2 = fill[:, None]
+        tl.store(ak_ptr + dst, tl.load(hk_ptr + src, mask=f2), mask=f2)
+        tl.store(av_ptr + dst, tl.load(hv_ptr + src, mask=f2), mask=f2)
+        tl.store(pos_ptr + base + s, p, mask=fill)
+        tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
+        n_free += tl.sum(free.to(tl.int32), 0)
+    tl.atomic_add(overflow_ptr, tl.maximum(n_rec - n_free, 0).to(tl.int64))
+    tl.atomic_add(recalled_ptr, tl.minimum(n_rec, n_free).to(tl.int64))
+    tl.debug_barrier()
+    # 2. releases, and the row's resident count and scan length
+    n_res = 0
+    high = 0
+    for s0 in range(0, cap, SCAN):
+        s = s0 + lane
+        m = s < cap
+        pv = tl.load(pos_ptr + base + s, mask=m, other=-1)
+        occ = pv >= 0
+        gone = occ & (tl.load(rel_ptr + row_n + pv, mask=occ, other=0) != 0)
+        tl.store(pos_ptr + base + s, tl.full([SCAN], -1, tl.int32), mask=gone)
+        tl.store(slot_of_ptr + row_n + pv, tl.full([SCAN], -1, tl.int32), mask=gone)
+        keep = occ & ~gone
+        n_res += tl.sum(keep.to(tl.int32), 0)
+        high = tl.maximum(high, tl.max(tl.where(keep, (s + 1).to(tl.int32), 0), 0))
+    tl.store(n_res_ptr + r, n_res.to(tl.int64))
+    tl.store(alen_ptr + r, high.to(tl.int32))
+    for p0 in range(0, N, SCAN):
+        p = p0 + lane
+        m = p < N
+        tl.store(rec_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
+        tl.store(rel_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
+
+
+def flush_rows(rows: torch.Tensor, base: torch.Tensor, caps: torch.Tensor, queued_recall: torch.Tensor,
+               queued_release: torch.Tensor, slot_of: torch.Tensor, audio_pos: torch.Tensor, host_k: torch.Tensor,
+               host_v: torch.Tensor, audio_k: torch.Tensor, audio_v: torch.Tensor, scratch: torch.Tensor,
+               n_resident: torch.Tensor, audio_len: torch.Tensor, overflow: torch.Tensor,
+               recalled: torch.Tensor) -> None:
+    """Apply the queued moves of `rows` (see the module docstring). queued_* (R, N) bool, slot_of (R, N) int32,
+    audio_pos (C,) int32, host_k/v (R * N, D) pinned host memory (in Triton's interpreter: CPU tensors),
+    audio_k/v (C, D), scratch (len(rows), N) int32, n_resident (R,) int64, audio_len (R,) int32, overflow and
+    recalled int64 counters; base (R,) and caps (R,) each row's first slot and slot count."""
+    N, D = queued_recall.shape[1], audio_k.shape[1]
+    for t in (queued_recall, queued_release, slot_of, audio_pos, host_k, host_v, audio_k, audio_v, scratch):
+        assert t.is_contiguous()
+    _flush_rows_kernel[(len(rows),)](rows, base, caps, queued_recall.view(torch.int8), queued_release.view(torch.int8),
+                                     slot_of, audio_pos, host_k, host_v, audio_k, audio_v, scratch, n_resident,
+                                     audio_len, overflow, recalled, N, D=D, SCAN=SCAN, COPY=COPY)
+
+
+@triton.jit
+def _read_host_kernel(src_ptr, dst_ptr):
+    tl.store(dst_ptr, tl.load(src_ptr))
+
+
+def read_host(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[0] = src[0] with the GPU reading `src` (pinned host memory) directly."""
+    _read_host_kernel[(1,)](src, dst)

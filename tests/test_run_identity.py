@@ -52,7 +52,7 @@ def test_every_result_key_changes_the_identity(override):
     assert identity_hash(config("model=voxtral", override)) != identity_hash(config("model=voxtral"))
 
 
-@pytest.mark.parametrize("override", ["device=cpu", "cpu_threads=2", "progress=false", "runs_root=/elsewhere",
+@pytest.mark.parametrize("override", ["device=cpu", "engine=reference", "cpu_threads=2", "progress=false", "runs_root=/elsewhere",
                                       "dataset.n=3", "dataset.shard=1", "dataset.num_shards=2",
                                       "dataset.cache_dir=/tmp/clips"])
 def test_where_how_fast_and_which_samples_leave_the_identity_alone(override):

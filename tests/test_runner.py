@@ -193,3 +193,16 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     m1 = json.loads((ref_dir / "metrics.json").read_text())
     m2 = json.loads((preds.parent / "metrics.json").read_text())
     assert {k: v for k, v in m1.items() if k not in timing} == {k: v for k, v in m2.items() if k not in timing}
+
+
+def test_engine_key_picks_the_decode_path_and_refuses_an_unknown_one(tmp_path):
+    """`engine=reference` on the CPU is the CPU default (same predictions); an unknown path is one clear error."""
+    from wnw_exp.engine.runner import check_config
+
+    cfg = config(tmp_path, "dataset.n=1", "method=wnw")
+    run(cfg, tmp_path / "auto", progress=False)
+    run(dict(cfg, engine="reference"), tmp_path / "reference", progress=False)
+    a, b = read_predictions(tmp_path / "auto"), read_predictions(tmp_path / "reference")
+    assert [r["hypothesis"] for r in a] == [r["hypothesis"] for r in b] and len(a) > 0
+    with pytest.raises(ValueError, match="engine='fast'"):
+        check_config(dict(cfg, engine="fast"))

@@ -80,10 +80,18 @@ class _StopOnSignal:
             raise Interrupted(self.signum)
 
 
+# `engine=`: which decode path `generate` takes (docs/gpu.md). auto: the reference store and step on the CPU, the
+# packed store with the fused step in a CUDA graph on a GPU; eager: the same without the graph; reference: the
+# reference store and step on any device (the specification every other path is tested against).
+ENGINE_PATHS = {"auto": {}, "eager": dict(graph=False), "reference": dict(store="reference", fused=False, graph=False)}
+
+
 def check_config(cfg: dict) -> None:
     r = cfg["retention"]
     if not isinstance(r, (int, float)) or not 0 < r <= 1:
         raise ValueError(f"retention={r!r} is outside (0, 1]: it is the fraction of audio KV kept on the device")
+    if cfg.get("engine", "auto") not in ENGINE_PATHS:
+        raise ValueError(f"engine={cfg['engine']!r}: choose one of {', '.join(ENGINE_PATHS)}")
 
 
 def environment(device: torch.device) -> dict:
@@ -217,7 +225,8 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
                              "the recording is corrupt")
         prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
         cap = max_new_tokens_for(len(audio) / 16000, per_s, minimum)
-        res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap)
+        res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap,
+                       **ENGINE_PATHS[cfg.get("engine", "auto")])
         tokens = [t for t in res.tokens if t not in backbone.eos_token_ids]
         s = res.store_summary
         return dict(base, hypothesis=backbone.decode(tokens), n_new_tokens=len(res.tokens),

@@ -172,16 +172,16 @@ def test_chunk_grid():
 
 
 # --- the chunk swap, step by step ------------------------------------------------------------------
-def make_policy(n_audio=100, delta=3, swap_start="decode"):
+def make_policy(n_audio=100, delta=3, swap_start="decode", store_cls=AudioKVStore, lag=1, dense_capacity=16):
     """2 layers x 2 KV heads (g=2): (0,0) anchor, (1,1) tidal, (0,1) fixed, (1,0) fixed; segments of 10
     tokens (stride 0.8 s at 12.5 tokens/s), chunks of 20 (1.6 s), top-1 chunk. The swap's steps are driven
     by hand (`swap_start="decode"`: no decision from the prompt's last row)."""
     vs = np.array([[1.0, 0.2], [0.1, 0.5]])
     policy = WnW(scores=scores_for(vs, np.ones((2, 2))), n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6,
-                 stride_seconds=0.8, top_k=1, delta=delta, swap_start=swap_start)
+                 stride_seconds=0.8, top_k=1, delta=delta, swap_start=swap_start, lag=lag)
     ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=n_audio,
                         retention=0.3, device=torch.device("cpu"))
-    store = AudioKVStore(2, 2, 4, n_audio, torch.device("cpu"), torch.float32, dense_capacity=16)
+    store = store_cls(2, 2, 4, n_audio, torch.device("cpu"), torch.float32, dense_capacity=dense_capacity)
     policy.start(ctx, store)
     torch.manual_seed(0)
     for layer in range(2):
@@ -442,21 +442,9 @@ def _pair(lag=1, n_audio=100):
     """make_policy's WnW on the reference store (host swap) and on the packed store (device swap)."""
     from wnw_exp.kv.packed import PackedAudioKVStore
 
-    vs = np.array([[1.0, 0.2], [0.1, 0.5]])
     out = []
     for cls in (AudioKVStore, PackedAudioKVStore):
-        policy = WnW(scores=scores_for(vs, np.ones((2, 2))), n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6,
-                     stride_seconds=0.8, top_k=1, delta=2, swap_start="decode", lag=lag)
-        ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=n_audio,
-                            retention=0.3, device=torch.device("cpu"))
-        store = cls(2, 2, 4, n_audio, torch.device("cpu"), torch.float32, dense_capacity=32)
-        policy.start(ctx, store)
-        torch.manual_seed(0)
-        for layer in range(2):
-            k = torch.randn(2, n_audio + 3, 4)
-            store.write_prefill(layer, k, k + 1, (1, 1 + n_audio))
-            post = torch.linspace(1.0, 0.0, 10).repeat(n_audio // 10)[None, None].expand(4, 2, n_audio)
-            policy.place(layer, PrefillScores(post.clone()))
+        policy, store = make_policy(n_audio, delta=2, store_cls=cls, lag=lag, dense_capacity=32)
         store.compact(headroom=policy.recall_headroom)
         out.append((policy, store))
     return out

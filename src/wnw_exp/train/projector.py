@@ -45,6 +45,7 @@ from wnw_exp.backbones.voxtral import chat_prompt_ids
 from wnw_exp.backbones.whisper_smollm2 import TRAINED_DIR, assemble
 from wnw_exp.data.base import SAMPLE_RATE
 from wnw_exp.data.synthetic import DEFAULT_VOICES, SPLIT_SEED_BASE, synthesize_clip
+from wnw_exp.train import write_log
 
 WINDOW_SAMPLES = 30 * SAMPLE_RATE
 TOKENS_PER_WINDOW = 375
@@ -343,9 +344,7 @@ def train(args: argparse.Namespace) -> None:
             rec.update(step=step, lr_scale=round(lr_scale, 4), seconds=round(meta["train_seconds"] + time.time() - t0, 1),
                        clip_seconds=list(stage_at(progress.value, stages)), data_wait=round(data_wait, 1),
                        lora_rank=lora_rank)
-            log_f.write(json.dumps(rec) + "\n")
-            log_f.flush()
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+            write_log(log_f, rec)
             acc.clear()
             n_acc = 0
         if time.time() - last_save > args.save_minutes * 60:

@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerFast, VoxtralForConditionalGeneratio
 from wnw_exp.backbones.audio_windows import device_features, windowed_features
 from wnw_exp.backbones.word_tokenizer import EOS, SPECIAL_TOKENS, build_word_tokenizer, transcription_prompt
 from wnw_exp.data.synthetic import DEFAULT_VOCAB_SIZE, SyntheticDataset, vocabulary
+from wnw_exp.train import write_log
 
 from .data import CURRICULUM, TRAIN_VOICES, Stage, SyntheticBatches, stage_at
 from .model import N_MELS, FrameHeads, LossWeights, TinyArch, build_tiny_model, training_losses, use_guided_attention
@@ -202,9 +203,7 @@ def train(args: argparse.Namespace) -> None:
             stage = stage_at(step.value - 1, curriculum)
             rec.update(step=step.value, lr=lr, seconds=round(meta["train_seconds"] + time.time() - save.t_mark, 1),
                        clip_seconds=[stage.min_seconds, stage.max_seconds], data_wait=round(data_wait, 1))  # fmt: skip
-            log_f.write(json.dumps(rec) + "\n")
-            log_f.flush()
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()), flush=True)
+            write_log(log_f, rec)
             acc.clear()
             n_acc = 0
         if time.time() - last_save > args.save_minutes * 60:

@@ -54,16 +54,16 @@ def attach(decoder: nn.Module, rank: int, alpha: float,
     return params
 
 
-def state(decoder: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(A/B tensors keyed `layers.{i}.{name}.lora_A|B` in `dtype`, metadata with rank and alpha) of an attached
+def state(decoder: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(A/B tensors keyed `layers.{i}.{name}.lora_A|B` in float32, metadata with rank and alpha) of an attached
     decoder."""
     tensors, meta = {}, {}
     for li, layer in enumerate(decoder.layers):
         for parent in (layer.self_attn, layer.mlp):
             for name, mod in parent.named_children():
                 if isinstance(mod, LoRALinear):
-                    tensors[f"layers.{li}.{name}.lora_A"] = mod.lora_A.detach().to(dtype).cpu().contiguous()
-                    tensors[f"layers.{li}.{name}.lora_B"] = mod.lora_B.detach().to(dtype).cpu().contiguous()
+                    tensors[f"layers.{li}.{name}.lora_A"] = mod.lora_A.detach().float().cpu().contiguous()
+                    tensors[f"layers.{li}.{name}.lora_B"] = mod.lora_B.detach().float().cpu().contiguous()
                     meta = dict(rank=str(mod.rank), alpha=str(mod.alpha))
     return tensors, meta
 

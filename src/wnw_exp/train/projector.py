@@ -249,7 +249,7 @@ def train(args: argparse.Namespace) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     model, tokenizer, sources = assemble(None, seed=args.seed)
     state_path = run / "state.pt"
-    meta = dict(step=0, next_index=0, train_seconds=0.0, sessions=[], sources=sources, lora_rank=0, stage_log=[])
+    meta = dict(step=0, next_index=0, train_seconds=0.0, sessions=[], sources=sources, lora_rank=0)
     state = None
     if state_path.exists():
         state = torch.load(state_path, map_location="cpu", weights_only=False)

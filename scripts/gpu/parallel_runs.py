@@ -1,7 +1,8 @@
 """Run `wnw-run` jobs side by side on one GPU until a deadline (the bs-1 eager engine leaves the GPU mostly
 idle, so several processes share it). Jobs start in file order; each gets the time left to the deadline,
 then SIGINT (a run keeps every finished sample in its predictions.jsonl; rerun the same command to resume).
-Job lines may name environment variables ($HEAD_SCORES).
+Job lines may name environment variables ($HEAD_SCORES). Once three jobs have failed and none has finished,
+no further job starts (a cause they share, a missing module say, would otherwise spend the whole deadline).
 
     python3 scripts/gpu/parallel_runs.py JOBS_FILE --parallel 14 --seconds 420 -- COMMON OVERRIDES...
 """
@@ -30,8 +31,13 @@ def main() -> None:
     deadline = time.time() + args.seconds
     log = open(args.log, "a") if args.log else sys.stdout
 
+    done = {"ok": 0, "failed": 0}
+
     def run(job: list[str]) -> None:
         left = deadline - time.time()
+        if done["failed"] >= min(args.parallel, 3) and not done["ok"]:  # a shared cause: do not burn the deadline
+            print(f"skipped (every finished job failed): {' '.join(job)}", file=log, flush=True)
+            return
         if left < 20:
             print(f"skipped (no time left): {' '.join(job)}", file=log, flush=True)
             return
@@ -47,6 +53,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 out, _ = p.communicate()
+        done["ok" if p.returncode in (0, 130) else "failed"] += 1
         tail = "\n    ".join(out.strip().splitlines()[-4:])
         print(f"[{time.time() - t0:6.1f} s, exit {p.returncode}] {' '.join(job)}\n    {tail}", file=log, flush=True)
 

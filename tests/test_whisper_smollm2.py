@@ -172,3 +172,29 @@ def test_shipped_weights_merge_exactly_and_the_engine_decodes_like_transformers(
     for x, y in zip(ours.logits, ref_logits):
         assert (x - y[0].float()).abs().max() < 1e-3
     assert json.loads((ws.TRAINED_DIR / "training_meta.json").read_text())["step"] > 0
+
+
+def test_frame_loss_is_the_cosine_cross_entropy_and_ignores_the_norm():
+    """The trainer's frame loss against a hand-computed cross-entropy of cosine similarities / 0.05: unchanged
+    when the audio embeddings are scaled (the plain output layer would reward a larger norm), lowest when an
+    embedding points at its target token's row, and silent frames (-100) count for nothing."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from wnw_exp.train.projector import FRAME_TEMPERATURE, frame_loss
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(11, 8, generator=g)
+    model = SimpleNamespace(model=SimpleNamespace(language_model=SimpleNamespace(
+        embed_tokens=torch.nn.Embedding.from_pretrained(table))))
+    x = torch.randn(5, 8, generator=g)
+    targets = torch.tensor([3, -100, 7, 0, -100])
+    cos = torch.stack([torch.stack([torch.dot(a, b) / (a.norm() * b.norm()) for b in table]) for a in x])
+    keep = targets != -100
+    want = F.cross_entropy(cos[keep] / FRAME_TEMPERATURE, targets[keep])
+    assert float(frame_loss(model, x, targets)) == pytest.approx(float(want), rel=1e-5)
+    assert float(frame_loss(model, 7.5 * x, targets)) == pytest.approx(float(want), rel=1e-5)
+    aligned = x.clone()
+    aligned[keep] = 0.3 * table[targets[keep]]
+    assert float(frame_loss(model, aligned, targets)) < float(want)

@@ -137,9 +137,15 @@ def answer_and_frame_targets(tokenizer, words, n_audio: int) -> tuple[list[int],
     return list(ids), frames
 
 
+FRAME_TEMPERATURE = 0.05
+
+
 def frame_loss(model, audio_embeds: torch.Tensor, frame_targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the decoder's output layer applied to the audio embeddings against `frame_targets`."""
-    logits = model.lm_head(audio_embeds).float()
+    """Cross-entropy of the cosine similarities (/ FRAME_TEMPERATURE) between each audio embedding and the
+    decoder's token embeddings against `frame_targets`: it pulls an embedding's direction towards its word's
+    token without rewarding a larger norm (the plain output layer would: its logits grow with the norm)."""
+    table = F.normalize(model.model.language_model.embed_tokens.weight.float(), dim=-1)
+    logits = F.normalize(audio_embeds.float(), dim=-1) @ table.t() / FRAME_TEMPERATURE
     return F.cross_entropy(logits, frame_targets.to(logits.device), ignore_index=-100)
 
 

@@ -255,7 +255,7 @@ class PackedAudioKVStore(StepAccounting):
                 self._blocks[key] = dict(rows=t(rows), slots=t(slots), row=t(np.repeat(np.arange(len(rows)), caps)),
                                          local=t(np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps)),
                                          start=t(np.cumsum(caps) - caps),
-                                         scratch=torch.empty(len(rows), self.n_audio, dtype=torch.int32,
+                                         scratch=torch.empty(len(rows), 2 * self.n_audio + 1, dtype=torch.int32,
                                                              device=self.device))
         return self._blocks
 
@@ -265,7 +265,7 @@ class PackedAudioKVStore(StepAccounting):
         b = self._flush_blocks()[layer]
         if b is None:
             return
-        if self.moves == "triton":  # the same moves in one launch (kv/triton_moves.py)
+        if self.moves == "triton":  # the same moves in two launches (kv/triton_moves.py)
             from wnw_exp.kv.triton_moves import flush_rows
 
             D = self.head_dim

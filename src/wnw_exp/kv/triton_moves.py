@@ -2,10 +2,14 @@
 code, the specification, is some 35 small kernels), and the GPU reads the recalled rows from the pinned host
 mirror itself (zero-copy over PCIe: no host thread, no staging buffer), so a CUDA graph can hold the whole move.
 
-`flush_rows`: one program per head (row) that can move. Recalls first: the row's recalled positions (queued, not
-resident), ascending, go to its free slots (position -1), ascending, their K/V rows copied from the host mirror;
-what finds no free slot is counted in `overflow`. Then releases free the slots of the queued positions; the
-row's resident count and scan length (one past its highest occupied slot) are rebuilt and its queues cleared.
+`flush_rows`: two launches. The first has one program per head (row) that can move, on device memory only.
+Recalls first: the row's recalled positions (queued, not resident), ascending, go to its free slots (position -1),
+ascending; the (position, slot) pairs are listed in the row's scratch; what finds no free slot is counted in
+`overflow`. Then releases free the slots of the queued positions; the row's resident count and scan length (one
+past its highest occupied slot) are rebuilt and its queues cleared. The second copies the listed K/V rows from the
+host mirror, one program per (row, tile of COPY pairs): many reads in flight over PCIe, where one program per row
+would wait on each of its tiles in turn (a slot a release freed in the same flush may receive its rows: it holds
+no position, so nothing attends to it).
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
 """
@@ -20,17 +24,18 @@ SCAN, COPY = 1024, 64  # positions or slots per iteration: mask scans; slot scan
 
 
 @triton.jit
-def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_ptr, pos_ptr, hk_ptr, hv_ptr, ak_ptr,
-                       av_ptr, scratch_ptr, n_res_ptr, alen_ptr, overflow_ptr, recalled_ptr, N,
-                       D: tl.constexpr, SCAN: tl.constexpr, COPY: tl.constexpr):
+def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_ptr, pos_ptr,
+                       scratch_ptr, n_res_ptr, alen_ptr, overflow_ptr, recalled_ptr, N,
+                       SCAN: tl.constexpr, COPY: tl.constexpr):
     i = tl.program_id(0)
     r = tl.load(rows_ptr + i).to(tl.int64)
     base = tl.load(base_ptr + r).to(tl.int64)
     cap = tl.load(cap_ptr + r).to(tl.int64)
     lane = tl.arange(0, SCAN)
     copy_lane = tl.arange(0, COPY)
-    cols = tl.arange(0, D)
     row_n = r * N
+    W = 2 * N + 1  # scratch row: positions [0, N), their slots [N, 2N), the pair count at 2N
+    srow = i.to(tl.int64) * W
     # 1a. the recalled positions (queued, not resident), ascending, listed in this program's scratch row
     n_rec = 0
     for p0 in range(0, N, SCAN):
@@ -39,26 +44,23 @@ def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_pt
         want = m & (tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0) \
             & (tl.load(slot_of_ptr + row_n + p, mask=m, other=0) < 0)
         k = n_rec + tl.cumsum(want.to(tl.int32), 0) - 1
-        tl.store(scratch_ptr + i.to(tl.int64) * N + k, p, mask=want)
+        tl.store(scratch_ptr + srow + k, p, mask=want)
         n_rec += tl.sum(want.to(tl.int32), 0)
     tl.debug_barrier()
-    # 1b. the k-th free slot takes the k-th recalled position: its K/V from the host mirror
+    # 1b. the k-th free slot takes the k-th recalled position (its K/V: _copy_pairs_kernel)
     n_free = 0
-    for s0 in range(0, cap, COPY):
-        s = s0 + copy_lane
+    for s0 in range(0, cap, SCAN):
+        s = s0 + lane
         m = s < cap
         free = m & (tl.load(pos_ptr + base + s, mask=m, other=0) < 0)
         k = n_free + tl.cumsum(free.to(tl.int32), 0) - 1
         fill = free & (k < n_rec)
-        p = tl.load(scratch_ptr + i.to(tl.int64) * N + k, mask=fill, other=0)
-        src = (row_n + p.to(tl.int64))[:, None] * D + cols[None, :]
-        dst = (base + s)[:, None] * D + cols[None, :]
-        f2 = fill[:, None]
-        tl.store(ak_ptr + dst, tl.load(hk_ptr + src, mask=f2), mask=f2)
-        tl.store(av_ptr + dst, tl.load(hv_ptr + src, mask=f2), mask=f2)
+        p = tl.load(scratch_ptr + srow + k, mask=fill, other=0)
+        tl.store(scratch_ptr + srow + N + k, (base + s).to(tl.int32), mask=fill)
         tl.store(pos_ptr + base + s, p, mask=fill)
         tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
         n_free += tl.sum(free.to(tl.int32), 0)
+    tl.store(scratch_ptr + srow + 2 * N, tl.minimum(n_rec, n_free).to(tl.int32))
     tl.atomic_add(overflow_ptr, tl.maximum(n_rec - n_free, 0).to(tl.int64))
     tl.atomic_add(recalled_ptr, tl.minimum(n_rec, n_free).to(tl.int64))
     tl.debug_barrier()
@@ -92,14 +94,36 @@ def flush_rows(rows: torch.Tensor, base: torch.Tensor, caps: torch.Tensor, queue
                recalled: torch.Tensor) -> None:
     """Apply the queued moves of `rows` (see the module docstring). queued_* (R, N) bool, slot_of (R, N) int32,
     audio_pos (C,) int32, host_k/v (R * N, D) pinned host memory (in Triton's interpreter: CPU tensors),
-    audio_k/v (C, D), scratch (len(rows), N) int32, n_resident (R,) int64, audio_len (R,) int32, overflow and
+    audio_k/v (C, D), scratch (len(rows), 2 N + 1) int32, n_resident (R,) int64, audio_len (R,) int32, overflow and
     recalled int64 counters; base (R,) and caps (R,) each row's first slot and slot count."""
     N, D = queued_recall.shape[1], audio_k.shape[1]
     for t in (queued_recall, queued_release, slot_of, audio_pos, host_k, host_v, audio_k, audio_v, scratch):
         assert t.is_contiguous()
+    assert scratch.shape == (len(rows), 2 * N + 1) and scratch.dtype == torch.int32
     _flush_rows_kernel[(len(rows),)](rows, base, caps, queued_recall.view(torch.int8), queued_release.view(torch.int8),
-                                     slot_of, audio_pos, host_k, host_v, audio_k, audio_v, scratch, n_resident,
-                                     audio_len, overflow, recalled, N, D=D, SCAN=SCAN, COPY=COPY)
+                                     slot_of, audio_pos, scratch, n_resident, audio_len, overflow, recalled, N,
+                                     SCAN=SCAN, COPY=COPY)
+    _copy_pairs_kernel[(len(rows), triton.cdiv(N, COPY))](rows, scratch, host_k, host_v, audio_k, audio_v, N,
+                                                         D=D, COPY=COPY)
+
+
+@triton.jit
+def _copy_pairs_kernel(rows_ptr, scratch_ptr, hk_ptr, hv_ptr, ak_ptr, av_ptr, N, D: tl.constexpr, COPY: tl.constexpr):
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    srow = i.to(tl.int64) * (2 * N + 1)
+    n = tl.load(scratch_ptr + srow + 2 * N)
+    k = j * COPY + tl.arange(0, COPY)
+    m = k < n
+    row_n = tl.load(rows_ptr + i).to(tl.int64) * N
+    p = tl.load(scratch_ptr + srow + k, mask=m, other=0).to(tl.int64)
+    slot = tl.load(scratch_ptr + srow + N + k, mask=m, other=0).to(tl.int64)
+    cols = tl.arange(0, D)
+    src = (row_n + p)[:, None] * D + cols[None, :]
+    dst = slot[:, None] * D + cols[None, :]
+    m2 = m[:, None]
+    tl.store(ak_ptr + dst, tl.load(hk_ptr + src, mask=m2), mask=m2)
+    tl.store(av_ptr + dst, tl.load(hv_ptr + src, mask=m2), mask=m2)
 
 
 @triton.jit

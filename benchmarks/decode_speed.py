@@ -286,6 +286,32 @@ def runner_row(bb, policy, retention: float, steps: int) -> dict:
                 mb_per_step=rec["mb_per_step"])
 
 
+def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15) -> dict:
+    """Where a step's device time goes: the fused step run eagerly (a graph hides its kernels from the profiler)
+    under torch.profiler, the `top` kernels by total device time, per step (us), with their launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from wnw_exp.engine.decode import generate
+
+    policy.check(retention)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+    with profile(activities=acts) as prof:
+        generate(bb, prompt, policy, retention=retention, max_new_tokens=steps + 1, **{**FAST, "graph": False})
+    _sync()
+    dev = "cuda" if _cuda() else "cpu"
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
+        if t > 0:
+            rows.append((t, e.key, e.count))
+    rows.sort(reverse=True)
+    total = sum(t for t, _, _ in rows)
+    return dict(steps=steps, note="eager fused step, prefill included; us per decode step",
+                device_us_per_step=round(total / steps, 1),
+                top=[dict(kernel=k[:90], us_per_step=round(t / steps, 1), launches_per_step=round(c / steps, 2))
+                     for t, k, c in rows[:top]])
+
+
 def section(results: dict, key: str, fn, out: Path | None) -> None:
     t0 = time.perf_counter()
     try:
@@ -317,6 +343,7 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
         prompt = bb.build_prompt()
         p = f"{name}/{n_audio}"
         lead = first and n_audio == int(a.audio.split(",")[0])
+        long_only = a.gpu_check and not lead  # the check's long-audio rows: Full and WnW strict alone
 
         def wnw(steps=a.steps, **kw):
             return scripted_wnw(info, scores, n_audio, steps, a.anchor_speed, a.anchor_beta, **kw)
@@ -327,6 +354,10 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
 
         if lead:
             section(results, f"{p}/fused_vs_reference", lambda: fused_vs_reference(bb, prompt, a.check_steps), out)
+        if long_only:
+            section(results, f"{p}/engine_full", lambda: engine_row(bb, prompt, a.steps), out)
+            section(results, f"{p}/engine_wnw_r{r}", lambda: engine_row(bb, prompt, a.steps, wnw(), r), out)
+            continue
         if a.hf_steps:
             section(results, f"{p}/hf_generate", lambda: hf_generate(model, prompt.input_ids, a.hf_steps, a.repeats), out)
         if lead:
@@ -344,6 +375,10 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
         section(results, f"{p}/engine_wnw_r{r}_pipelined", lambda: engine_row(bb, prompt, a.steps, wnw(lag=2), r), out)
         section(results, f"{p}/engine_wnw_r{r}_recall_off",
                 lambda: engine_row(bb, prompt, a.steps, wnw(recall=False), r), out)
+        if lead and a.profile:
+            section(results, f"{p}/profile_wnw_r{r}", lambda: profile_row(bb, prompt, wnw(), r, a.profile), out)
+            section(results, f"{p}/profile_arkvale_r{r}",
+                    lambda: profile_row(bb, prompt, method("arkvale"), r, a.profile), out)
         if lead and a.hf_steps and _cuda():  # last: torch.compile takes a while
             section(results, f"{p}/hf_generate_static_compiled",
                     lambda: hf_generate(model, prompt.input_ids, a.hf_steps, a.repeats, compiled=True), out)
@@ -374,6 +409,10 @@ def targets(results: dict, model: str, n_audio: int, r: float) -> dict:
              runner_full_over_engine=ratio(run_full, full), runner_wnw_over_engine=ratio(run_wnw, wnw),
              fused_same_tokens_prefix=check.get("same_tokens_prefix"),
              fused_max_abs_logit_diff=check.get("max_abs_logit_diff"), fused_max_abs_logit=check.get("max_abs_logit"))
+    long_full, long_wnw = (results.get(f"{model}/{n}/{row}", {}).get("ms_per_token")
+                           for n, row in ((12000, "engine_full"), (12000, f"engine_wnw_r{r}")))
+    t.update(wnw_12000_over_full=ratio(long_wnw, long_full),
+             wnw_12000_ok=ratio(long_wnw, long_full) is not None and ratio(long_wnw, long_full) <= 1.0)
     t["runner_ok"] = all(x is not None and x <= 1.10 for x in (t["runner_full_over_engine"], t["runner_wnw_over_engine"]))
     return t
 
@@ -383,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="every row at tiny dims on the CPU")
-    ap.add_argument("--gpu-check", action="store_true", help="issue 15's targets: Voxtral shape, 3,000 audio tokens")
+    ap.add_argument("--gpu-check", action="store_true", help="issue 15's targets: Voxtral shape, 3,000 audio tokens (Full and WnW also at 12,000)")
     ap.add_argument("--models", default="voxtral,qwen_omni")
     ap.add_argument("--audio", default="3000,12000")
     ap.add_argument("--steps", type=int, default=256)
@@ -398,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sweep-steps", type=int, default=96)
     ap.add_argument("--anchor-speed", type=float, default=12.0, help="audio tokens the scripted anchor focus moves per step")
     ap.add_argument("--anchor-beta", type=float, default=0.9)
+    ap.add_argument("--profile", type=int, default=0, help="steps of a torch.profiler row for WnW and ArkVale (0: none)")
     ap.add_argument("--kernels", choices=("triton", "torch"), default="torch",
                     help="--smoke: the fused step's kernels on the CPU (triton: Triton's interpreter)")
     a = ap.parse_args(argv)
@@ -413,7 +453,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --smoke for the CPU check")
     if a.gpu_check:
-        a.models, a.audio, a.sweep = "voxtral", "3000", ""
+        a.models, a.audio, a.sweep = "voxtral", "3000,12000", ""
     out = Path(a.out) if a.out else None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -257,7 +257,7 @@ def test_decode_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path):
     # As on the GPU machine, where these are not installed: `None` in sys.modules makes an import fail and
     # importlib.util.find_spec report the package missing (so transformers does not use soundfile either).
     code = ("import runpy, sys; sys.modules.update({m: None for m in %r}); "
-            "sys.argv = ['decode_speed.py', '--smoke', '--out', %r]; "
+            "sys.argv = ['decode_speed.py', '--smoke', '--profile', '2', '--out', %r]; "
             "runpy.run_path(%r, run_name='__main__')") % (BLOCKED, str(out), str(ROOT / "benchmarks/decode_speed.py"))
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
@@ -281,6 +281,9 @@ def test_decode_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path):
     assert {"tiny/200/sweep_tidal3", "tiny/200/sweep_tidal9", "tiny/200/engine_reference_full",
             "tiny/200/engine_full_eager", "tiny/200/hf_generate"} <= set(res)
     assert not res["tiny/200/engine_reference_full"]["fused"]
+    for m in ("wnw", "arkvale"):  # the profiler rows name the step's costliest ops
+        prof = res[f"tiny/200/profile_{m}_r0.2"]
+        assert prof["device_us_per_step"] > 0 and prof["top"] and prof["top"][0]["us_per_step"] > 0
 
 
 def _agree(a, b, min_tokens: int):

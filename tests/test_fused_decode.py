@@ -179,6 +179,41 @@ def test_torch_attention_matches_the_kernel_and_the_reference_store(free_slots):
     torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=1e-5)
 
 
+def test_triton_queueing_inside_a_capture_marks_what_the_torch_queueing_marks(monkeypatch):
+    """Inside a graph capture the packed store queues recalls and releases without host reads; with Triton kernels
+    in one launch each (kv/triton_moves.py: queue_pairs). Both ways, with and without `select`, on heads with and
+    without host copies, mark the same positions (the capture is simulated: the CPU has none)."""
+    dev = _triton_env()
+    import wnw_exp.kv.packed as packed
+
+    monkeypatch.setattr(packed, "_capturing", lambda: True)
+    L, H, D, n_audio, pre = 2, 3, 8, 50, 2
+    stores = {}
+    for kernels in ("torch", "triton"):
+        st = packed.PackedAudioKVStore(L, H, D, n_audio, dev, torch.float32, dense_capacity=4, kernels=kernels)
+        gen = torch.Generator().manual_seed(3)
+        for li in range(L):
+            k = torch.randn(H, n_audio + pre + 1, D, generator=gen).to(dev)
+            st.write_prefill(li, k, k, (pre, pre + n_audio))
+            for h in range(H):
+                perm = torch.randperm(n_audio, generator=gen)
+                st.set_tiers(li, h, perm[:12], perm[8:40])
+        st.compact(headroom=np.full(L * H, 40))
+        stores[kernels] = st
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randint(0, L * H, (300,), generator=gen)
+    pos = torch.randint(0, n_audio, (300,), generator=gen)
+    flat = torch.unique(rows * n_audio + pos)  # distinct pairs
+    rows, pos = (flat // n_audio).to(dev), (flat % n_audio).to(dev)
+    sel = (torch.rand(len(flat), generator=gen) < 0.5).to(dev)
+    for st in stores.values():
+        assert st.recall(rows, pos, select=sel) is None and st.release(rows, pos, select=~sel) is None
+        assert st.recall(rows[:40], pos[:40]) is None and st.release(rows[-40:], pos[-40:]) is None
+    a, b = stores["torch"], stores["triton"]
+    assert torch.equal(a.queued_recall, b.queued_recall) and torch.equal(a.queued_release, b.queued_release)
+    assert a.queued_recall.any() and a.queued_release.any()
+
+
 def test_triton_flush_moves_what_the_torch_flush_moves():
     """The packed store's one-kernel flush (kv/triton_moves.py, reading the host mirror itself on CUDA) = its
     PyTorch flush (the specification), move for move: random recalls and releases on every head with a host tier,

@@ -209,6 +209,11 @@ class PackedAudioKVStore(StepAccounting):
         """Queue host-tier positions for copying back (resident and already queued ones are skipped). Pairs must
         be distinct. Returns how many were queued, or None inside a graph capture (no host read there)."""
         r, p, sel = self._pairs(rows, positions, select)
+        if _capturing() and self.moves == "triton":  # the same marks in one launch (kv/triton_moves.py)
+            from wnw_exp.kv.triton_moves import queue_pairs
+
+            queue_pairs(True, r, p, sel, self.slot_of, self.on_host, self.queued_recall)
+            return None
         new = ~(self.slot_of[r, p] >= 0) & ~self.queued_recall[r, p]
         if sel is not None:
             new &= sel
@@ -228,6 +233,11 @@ class PackedAudioKVStore(StepAccounting):
         """Queue the release of resident positions with host copies (non-resident and already queued ones are
         skipped). Returns how many were queued, or None inside a graph capture."""
         r, p, sel = self._pairs(rows, positions, select)
+        if _capturing() and self.moves == "triton":
+            from wnw_exp.kv.triton_moves import queue_pairs
+
+            queue_pairs(False, r, p, sel, self.slot_of, self.on_host, self.queued_release)
+            return None
         new = (self.slot_of[r, p] >= 0) & ~self.queued_release[r, p]
         if sel is not None:
             new &= sel

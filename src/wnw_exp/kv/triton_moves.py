@@ -127,6 +127,41 @@ def _copy_pairs_kernel(rows_ptr, scratch_ptr, hk_ptr, hv_ptr, ak_ptr, av_ptr, N,
 
 
 @triton.jit
+def _queue_pairs_kernel(r_ptr, p_ptr, sel_ptr, slot_of_ptr, on_host_ptr, q_ptr, n, N, RECALL: tl.constexpr,
+                        HAS_SEL: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    flat = tl.load(r_ptr + i, mask=m, other=0).to(tl.int64) * N + tl.load(p_ptr + i, mask=m, other=0)
+    go = m & (tl.load(on_host_ptr + flat, mask=m, other=0) != 0)
+    if HAS_SEL:
+        go = go & (tl.load(sel_ptr + i, mask=m, other=0) != 0)
+    slot = tl.load(slot_of_ptr + flat, mask=go, other=0)
+    if RECALL:
+        go = go & (slot < 0)
+    else:
+        go = go & (slot >= 0)
+    tl.store(q_ptr + flat, tl.full([BLOCK], 1, tl.int8), mask=go)
+
+
+def queue_pairs(recall: bool, rows: torch.Tensor, pos: torch.Tensor, select: torch.Tensor | None,
+                slot_of: torch.Tensor, on_host: torch.Tensor, queue: torch.Tensor) -> None:
+    """What the packed store's `recall` (recall=True) or `release` queues inside a graph capture, in one launch:
+    for each (row, position) pair (distinct) that is selected and has a host copy, mark it in `queue` (R, N) bool
+    where it is not resident (recall) or resident (release). rows/pos (n,) integer, select (n,) bool or None."""
+    n, N = pos.numel(), slot_of.shape[1]
+    rows, pos = rows.contiguous(), pos.contiguous()
+    for t in (slot_of, on_host, queue):
+        assert t.is_contiguous()
+    if n == 0:
+        return
+    sel = select.contiguous().view(torch.int8) if select is not None else pos
+    BLOCK = 1024
+    _queue_pairs_kernel[(triton.cdiv(n, BLOCK),)](rows, pos, sel, slot_of, on_host.view(torch.int8),
+                                                  queue.view(torch.int8), n, N, RECALL=recall,
+                                                  HAS_SEL=select is not None, BLOCK=BLOCK)
+
+
+@triton.jit
 def _read_host_kernel(src_ptr, dst_ptr):
     tl.store(dst_ptr, tl.load(src_ptr))
 

@@ -91,6 +91,140 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 WARM_STEPS = 2  # eager steps before a CUDA graph is captured (they compile the kernels and allocate the buffers)
 
 
+class Stream:
+    """One sample through the engine: its store, its policy (its own state: WnW's chunk swap, ArkVale's pages,
+    AdaKV's budgets), its positions and tokens. `generate` decodes one stream; `decode_batch` several at once.
+
+    Prefill is `prefill_layers` (a generator: one layer per item, so a scheduler can interleave a long prefill
+    with the decode steps of running streams) then `finish_prefill` (the store's compaction, which raises
+    `kv.pool.PoolFull` where the stream's KV does not fit its pool, changing nothing, so it can be retried).
+    """
+
+    def __init__(self, backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
+                 path: DecodePath, keep_logits: bool = False, pool=None, key=None):
+        self.backbone, self.prompt, self.policy, self.path, self.key = backbone, prompt, policy, path, key
+        self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
+        dev = backbone.device
+        total = prompt.input_ids.shape[1] + max_new_tokens
+        if total > backbone.max_positions:
+            raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
+                             f"the model's context of {backbone.max_positions} positions: use shorter audio")
+        n_kv, d = backbone.n_kv_heads, backbone.head_dim
+        self.ctx = SampleContext(backbone.n_layers, backbone.n_q_heads, n_kv, d, backbone.token_rate, prompt.n_audio,
+                                 retention, dev)
+        if path.store == "packed":
+            from wnw_exp.kv.packed import PackedAudioKVStore
+
+            self.store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
+                                            max_new_tokens + 1, kernels=path.kernels, pool=pool)
+        else:
+            if pool is not None:
+                raise ValueError("a KV pool is the packed store's (store=packed)")
+            from wnw_exp.kv.reference import AudioKVStore
+
+            self.store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
+                                      max_new_tokens + 1)
+        policy.start(self.ctx, self.store)
+        self.tokens: list[int] = []
+        self.step_ms: list[float] = []
+        self.kept: list[torch.Tensor] = []
+        self.terminated = self.done = False
+        self.prefill_ms = 0.0
+        self.logits: torch.Tensor | None = None
+        self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
+
+    def prefill_layers(self):
+        """Prefill layer by layer (the backbone's modules, `backbones.layer.decoder_layer`); yields after each."""
+        bb, prompt, policy, store = self.backbone, self.prompt, self.policy, self.store
+        n_q, n_kv, d = bb.n_q_heads, bb.n_kv_heads, bb.head_dim
+        t0 = time.perf_counter()
+        hidden = bb.embed_prompt(prompt)
+        positions, span = bb.prompt_positions(prompt), prompt.audio_span
+        rope_cache: tuple | None = None
+        for li, layer in enumerate(bb.layers):
+            hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
+            if rope_cache is None or rope_cache[0] is not positions:
+                rope_cache = (positions, *bb.rotary(hidden, positions))
+            _, cos, sin = rope_cache
+
+            def attention(q, k, v, scale, li=li, span=span):
+                out = causal_attention(q, k, v, scale)
+                store.write_prefill(li, k[0], v[0], span)
+                policy.place(li, prefill_scores(q[0], k[0], span, scale))
+                return out
+
+            hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
+            _sync(bb.device)
+            self.prefill_ms += (time.perf_counter() - t0) * 1e3
+            yield
+            t0 = time.perf_counter()
+        self._last_hidden = hidden[:, -1:]
+
+    def finish_prefill(self) -> None:
+        """The store's compaction (frees the dropped rows; may raise PoolFull), the decisions in force at decode
+        step 0, the first token's logits."""
+        t0 = time.perf_counter()
+        self.store.compact(headroom=self.policy.recall_headroom)
+        self.policy.after_prefill()
+        self.store.flush()  # decisions made at prefill are in force at decode step 0
+        bb = self.backbone
+        self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
+        self.next_token = int(torch.argmax(self.logits))
+        del self._last_hidden
+        _sync(bb.device)
+        self.prefill_ms += (time.perf_counter() - t0) * 1e3
+
+    def prefill(self) -> None:
+        for _ in self.prefill_layers():
+            pass
+        self.finish_prefill()
+
+    def make_step(self) -> None:
+        """The stream's own decode step, its first token in place."""
+        bb = self.backbone
+        cos, sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
+        if self.path.fused:
+            self.step = FusedStep(bb, self.store, self.policy, cos, sin, self.path.kernels)
+        else:
+            self.step = TorchStep(bb, self.store, self.policy, cos, sin)
+        self.step.tok.copy_(torch.tensor(self.next_token).view_as(self.step.tok))
+
+    def emit(self, token: int, logits: torch.Tensor | None) -> bool:
+        """Record the token the last step (or prefill) produced; True while the stream goes on decoding."""
+        if self.keep_logits:
+            self.kept.append(logits.float().cpu())
+        self.tokens.append(token)
+        if token in self.backbone.eos_token_ids:
+            self.terminated = self.done = True
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.done = True
+        return not self.done
+
+    @property
+    def index(self) -> int:
+        """The decode step the stream runs next (0: the step that embeds the first generated token)."""
+        return len(self.tokens) - 1
+
+    def after_step(self, i: int | None) -> None:
+        """The method's decision for the next step and the store's moves and accounting (fused path: the moves are
+        queued, flushed here)."""
+        self.policy.after_step(i)
+        if self.path.fused:
+            self.store.flush()
+            self.store.record_step()
+        else:
+            self.store.end_step()
+
+    def result(self) -> DecodeResult:
+        store, prompt = self.store, self.prompt
+        store.check()
+        trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
+                     n_audio=prompt.n_audio, n_full=store.n_full,
+                     n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **self.policy.trace())
+        return DecodeResult(self.tokens, self.terminated, self.step_ms, self.prefill_ms, store.summary(), trace,
+                            self.kept if self.keep_logits else None)
+
+
 @torch.no_grad()
 def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
              keep_logits: bool = False, store: str = "auto", fused: bool | None = None, graph: bool | None = None,
@@ -109,88 +243,33 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
     """
     dev = backbone.device
     path = decode_path(dev, policy, store, fused, graph, kernels)
-    n_q, n_kv, d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
-    total = prompt.input_ids.shape[1] + max_new_tokens
-    if total > backbone.max_positions:
-        raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
-                         f"the model's context of {backbone.max_positions} positions: use shorter audio")
-    ctx = SampleContext(backbone.n_layers, n_q, n_kv, d, backbone.token_rate, prompt.n_audio, retention, dev)
-    if path.store == "packed":
-        from wnw_exp.kv.packed import PackedAudioKVStore
-
-        store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1,
-                                   kernels=path.kernels)
-    else:
-        from wnw_exp.kv.reference import AudioKVStore
-
-        store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
-    policy.start(ctx, store)
-
-    _sync(dev)
-    t0 = time.perf_counter()
-    hidden = backbone.embed_prompt(prompt)
-    prompt_pos = backbone.prompt_positions(prompt)
-    positions, span = prompt_pos, prompt.audio_span
-    rope_cache: tuple | None = None
-    for li, layer in enumerate(backbone.layers):
-        hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
-        if rope_cache is None or rope_cache[0] is not positions:
-            rope_cache = (positions, *backbone.rotary(hidden, positions))
-        _, cos, sin = rope_cache
-
-        def attention(q, k, v, scale, li=li, span=span):
-            out = causal_attention(q, k, v, scale)
-            store.write_prefill(li, k[0], v[0], span)
-            policy.place(li, prefill_scores(q[0], k[0], span, scale))
-            return out
-
-        hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
-    store.compact(headroom=policy.recall_headroom)  # frees the dropped rows' memory
-    policy.after_prefill()
-    store.flush()  # decisions made at prefill are in force at decode step 0
-    logits = backbone.lm_head(backbone.final_norm(hidden[:, -1:]))[0, -1].float()
-    _sync(dev)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-
-    cos, sin = backbone.rope_table(prompt_pos, max_new_tokens)
-    if path.fused:
-        step = FusedStep(backbone, store, policy, cos, sin, path.kernels)
-    else:
-        step = TorchStep(backbone, store, policy, cos, sin)
+    stream = Stream(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens, path=path,
+                    keep_logits=keep_logits)
+    stream.prefill()
+    stream.make_step()
+    step, store = stream.step, stream.store
     side = torch.cuda.Stream(dev) if path.fused and dev.type == "cuda" else None
 
     def decode_one(i: int | None) -> None:
         """One token: the step, the method's decision for the next step, the store's moves and accounting."""
         if not path.fused:
             step(i)
-            policy.after_step(i)
-            store.end_step()
+            stream.after_step(i)
             return
         step.body()
         if side is not None:  # the decision and its copies overlap the final norm and the LM head
             side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            policy.after_step(i)
-            store.flush()
-            store.record_step()
+            stream.after_step(i)
         step.head()
         if side is not None:
             torch.cuda.current_stream(dev).wait_stream(side)
 
-    step.tok.copy_(torch.argmax(logits).view_as(step.tok))
-    tokens, step_ms, kept = [], [], []
-    terminated = False
+    logits = stream.logits
     captured = None
     warm = torch.cuda.Stream(dev) if path.graph else None  # eager steps before a capture run on a side stream
     for i in range(max_new_tokens):
-        if keep_logits:
-            kept.append(logits.float().cpu())
-        token = int(step.tok)
-        tokens.append(token)
-        if token in backbone.eos_token_ids:
-            terminated = True
-            break
-        if i == max_new_tokens - 1:
+        if not stream.emit(int(step.tok), logits):
             break
         t0 = time.perf_counter()
         if captured is not None:
@@ -208,14 +287,8 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
             decode_one(i)
         logits = step.logits
         _sync(dev)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-    store.check()
-
-    trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
-                 n_audio=prompt.n_audio, n_full=store.n_full,
-                 n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **policy.trace())
-    return DecodeResult(tokens, terminated, step_ms, prefill_ms, store.summary(), trace,
-                        kept if keep_logits else None)
+        stream.step_ms.append((time.perf_counter() - t0) * 1e3)
+    return stream.result()
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

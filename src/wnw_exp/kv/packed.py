@@ -203,7 +203,7 @@ class PackedAudioKVStore(StepAccounting):
                            f"{self.pool.capacity_bytes / 1e9:.3f} GB of which {self.pool.stats()['used_bytes'] / 1e9:.3f} "
                            "in use")
         self.extent = ext
-        k, v = self.pool.views(ext)
+        k, v, pos = self.pool.views(ext)
         n_dense = self.dense_k.numel() // self.head_dim
         dk, dv = k[:n_dense].view(self.dense_k.shape), v[:n_dense].view(self.dense_k.shape)
         dk.copy_(self.dense_k)
@@ -215,7 +215,9 @@ class PackedAudioKVStore(StepAccounting):
         torch.index_select(self.audio_k, 0, keep, out=ak)
         torch.index_select(self.audio_v, 0, keep, out=av)
         self.audio_k, self.audio_v = ak, av  # the full prefill buffers are freed here
-        self.audio_pos = self.audio_pos[keep]
+        pos[:n_dense] = -1
+        torch.index_select(self.audio_pos, 0, keep, out=pos[n_dense:])
+        self.audio_pos = pos[n_dense:]
         self.dense_row0 = ext.start  # the pool row of dense_k[0, 0, 0]
         self.audio_row0 = ext.start + n_dense  # the pool row of audio slot 0
         self.caps = new_caps
@@ -496,3 +498,47 @@ def attention_torch(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tenso
         probs_out.zero_()
         probs_out.scatter_add_(1, audio_pos[idx[heads]].long().clamp(min=0), w)
     return out
+
+
+def attention_batched_torch(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,
+                            dense_off: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
+                            audio_len: torch.Tensor, scale: float, *, max_keys: int,
+                            scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv.triton_attention.decode_attention_batched` in PyTorch (same arguments and results): each (stream, KV
+    head) gathers its dense rows and audio slots from the pool up to `max_keys`, masked by the device lengths and
+    the free slots."""
+    B, H_q, D = q.shape
+    H = dense_off.shape[1]
+    G = H_q // H
+    j = torch.arange(max(int(max_keys), 1), device=q.device)
+    dlen = dense_len.long().view(B, 1, 1)
+    in_d = j < dlen
+    in_a = (j >= dlen) & (j < dlen + audio_len.long()[..., None])
+    row = torch.where(in_d, dense_off.long()[..., None] + j, audio_off.long()[..., None] + j - dlen)
+    row = row.clamp(0, pool_k.shape[0] - 1)
+    in_a = in_a & (pool_pos[row] >= 0)
+    ok = in_d | in_a  # (B, H, K)
+    k = pool_k[row].float()
+    v = pool_v[row].float().masked_fill(~ok[..., None], 0.0)  # rows past the lengths may hold anything
+    s = torch.einsum("bhgd,bhkd->bhgk", q.view(B, H, G, D).float(), k) * scale
+    s = s.masked_fill(~ok[:, :, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhgk,bhkd->bhgd", torch.exp(s - lse[..., None]), v)
+    return out.to(q.dtype).reshape(B, H_q, D), lse.reshape(B, H_q)
+
+
+def observed_probs_torch(q: torch.Tensor, pool_k: torch.Tensor, pool_pos: torch.Tensor, audio_off: torch.Tensor,
+                         audio_len: torch.Tensor, lse: torch.Tensor, scale: float, observe: torch.Tensor,
+                         probs_out: torch.Tensor, max_audio_per_head: int) -> torch.Tensor:
+    """`kv.triton_attention.observed_probs` in PyTorch."""
+    H_q, D = q.shape
+    G = H_q // audio_off.shape[0]
+    obs = observe.long()
+    j = torch.arange(max(int(max_audio_per_head), 1), device=q.device)
+    row = (audio_off.long()[obs // G, None] + j).clamp(max=pool_k.shape[0] - 1)  # (n_obs, A)
+    pos = torch.where(j < audio_len.long()[obs // G, None], pool_pos[row], -1)
+    s = torch.einsum("od,oad->oa", q[obs].float(), pool_k[row].float()) * scale
+    w = torch.exp(s - lse[obs, None]) * (pos >= 0)
+    probs_out.zero_()
+    probs_out.scatter_add_(1, pos.long().clamp(min=0), w)
+    return probs_out

@@ -7,7 +7,9 @@ it can grow to, so a running stream never asks again) and gives it back when the
 None when no free run of blocks is long enough: the caller (the engine's admission) waits or refuses, nothing is
 overcommitted. First fit over a sorted free list; neighbouring free runs merge on `free`.
 
-Only the K/V rows live here (they are >= 97% of a stream's device bytes at 3,000 audio tokens); each store's
+The pool also holds each row's audio position (`pos`, int32, -1 for a free slot or a dense row), so one
+attention launch over every stream of a batch reads positions as it reads keys: by pool row. Only the K/V rows
+and those positions live here (they are >= 97% of a stream's device bytes at 3,000 audio tokens); each store's
 small bookkeeping tensors (slot tables, masks, positions) are its own allocations.
 """
 
@@ -40,6 +42,7 @@ class KVPool:
         self.n_blocks = n_rows // block
         self.k = torch.empty(self.n_blocks * block, head_dim, device=self.device, dtype=dtype)
         self.v = torch.empty_like(self.k)
+        self.pos = torch.full((self.n_blocks * block,), -1, device=self.device, dtype=torch.int32)  # audio slots' positions
         self._free: list[tuple[int, int]] = [(0, self.n_blocks)]  # (first block, length), sorted, never adjacent
         self.used_blocks = self.peak_blocks = 0
         self.n_refused = 0
@@ -57,6 +60,10 @@ class KVPool:
     @property
     def capacity_bytes(self) -> int:
         return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes()
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[0]
 
     def blocks_for(self, n_rows: int) -> int:
         return -(-int(n_rows) // self.block)
@@ -94,10 +101,10 @@ class KVPool:
             self._free.insert(i, (b, n))
         self.used_blocks -= ext.n_blocks
 
-    def views(self, ext: Extent) -> tuple[torch.Tensor, torch.Tensor]:
-        """The extent's K and V rows (views into the pool)."""
+    def views(self, ext: Extent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The extent's K rows, V rows and slot positions (views into the pool)."""
         s = slice(ext.start, ext.start + ext.n_rows)
-        return self.k[s], self.v[s]
+        return self.k[s], self.v[s], self.pos[s]
 
     def stats(self) -> dict:
         rb = self.block * self.row_bytes

@@ -11,13 +11,14 @@ import importlib.util
 import math
 import time
 from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt
 from wnw_exp.backbones.layer import causal_attention, decoder_layer
-from wnw_exp.engine.step import CapturedStep, FusedStep, TorchStep
+from wnw_exp.engine.step import BatchedFusedStep, CapturedStep, FusedStep, TorchStep
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
 
@@ -171,6 +172,7 @@ class Stream:
         self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
         self.next_token = int(torch.argmax(self.logits))
         del self._last_hidden
+        self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
         _sync(bb.device)
         self.prefill_ms += (time.perf_counter() - t0) * 1e3
 
@@ -182,11 +184,10 @@ class Stream:
     def make_step(self) -> None:
         """The stream's own decode step, its first token in place."""
         bb = self.backbone
-        cos, sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
         if self.path.fused:
-            self.step = FusedStep(bb, self.store, self.policy, cos, sin, self.path.kernels)
+            self.step = FusedStep(bb, self.store, self.policy, self.cos, self.sin, self.path.kernels)
         else:
-            self.step = TorchStep(bb, self.store, self.policy, cos, sin)
+            self.step = TorchStep(bb, self.store, self.policy, self.cos, self.sin)
         self.step.tok.copy_(torch.tensor(self.next_token).view_as(self.step.tok))
 
     def emit(self, token: int, logits: torch.Tensor | None) -> bool:
@@ -289,6 +290,205 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
         _sync(dev)
         stream.step_ms.append((time.perf_counter() - t0) * 1e3)
     return stream.result()
+
+
+@dataclass
+class Request:
+    """One sample for `decode_batch`: its prompt and length cap; `key` names it in the results."""
+
+    key: object
+    prompt: Prompt
+    max_new_tokens: int
+
+
+@dataclass
+class BatchStats:
+    """What `decode_batch` saw: the batch size at each decode step, its wall time, and the prefill layers run
+    between two steps (chunked prefill) with their time."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    prefill_ms_between_steps: list[float] = field(default_factory=list)
+    refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
+
+
+@torch.no_grad()
+def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
+                 retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
+                 store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
+                 prefill_chunk_layers: int | None = None, stats: BatchStats | None = None
+                 ) -> Iterator[tuple[object, DecodeResult | Exception]]:
+    """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
+    (or (key, exception) for one that failed), in the order they finish.
+
+    A request joins when fewer than `max_concurrent` streams run (None: no limit but the pool's) and, with a
+    `pool` (`kv.pool.KVPool`, the packed store's), when the pool has a free extent for its placed KV and all it can
+    grow to (its dense part for every token it may generate, each head's recall room): otherwise it waits, its
+    prefill done, until a stream leaves and frees its extent; one that cannot fit an empty pool is refused
+    (`PoolFull` as its result). Prefill runs `prefill_chunk_layers` layers between two decode steps (None: a whole
+    prefill at once), so an admission does not stall the running streams for a whole prefill.
+
+    Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
+    result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
+    `generate`: the same arithmetic, byte for byte); on the fused path with a pool one `BatchedFusedStep` steps
+    every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions),
+    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps.
+    """
+    dev = backbone.device
+    stats = stats if stats is not None else BatchStats()
+    limit = max_concurrent if max_concurrent is not None else 1 << 30
+    if limit < 1:
+        raise ValueError(f"max_concurrent={max_concurrent!r}: at least 1 stream")
+    pending = iter(requests)
+    exhausted = False
+    active: list[Stream] = []
+    admitting: tuple[Stream, Iterator] | None = None
+    batched: dict = {}  # the fused path's step for the current composition (and its graph)
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    while True:
+        if admitting is None and not exhausted and len(active) < limit:
+            req = next(pending, None)
+            if req is None:
+                exhausted = True
+            else:
+                try:
+                    policy = make_policy()
+                    path = decode_path(dev, policy, store, fused, graph, kernels)
+                    st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
+                                path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
+                                key=req.key)
+                    admitting = (st, st.prefill_layers())
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    yield req.key, e
+                    continue
+        if admitting is not None:
+            st, layers = admitting
+            try:
+                t0 = time.perf_counter()
+                done_layers, ran = _advance(layers, prefill_chunk_layers)
+                if active and ran:
+                    stats.prefill_ms_between_steps.append((time.perf_counter() - t0) * 1e3)
+                if done_layers:
+                    joined = _admit(st, active, stats)
+                    if joined is not None:
+                        admitting = None
+                        if joined:
+                            active.append(st)
+                            batched.clear()
+                        else:
+                            yield st.key, st.result()
+            except Exception as e:  # noqa: BLE001
+                admitting = None
+                _leave(st)
+                yield st.key, e
+        if not active:
+            if admitting is None and exhausted:
+                return
+            continue
+        t0 = time.perf_counter()
+        try:
+            tokens, logits = _step_all(backbone, active, batched, side)
+        except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
+            for st in active:
+                _leave(st)
+                yield st.key, e
+            active, batched = [], {}
+            continue
+        ms = (time.perf_counter() - t0) * 1e3
+        stats.batch_sizes.append(len(active))
+        stats.step_ms.append(ms)
+        for b, st in enumerate(active):
+            st.step_ms.append(ms)
+            st.emit(tokens[b], logits[b] if keep_logits else None)
+        if any(st.done for st in active):
+            for st in [st for st in active if st.done]:
+                result = st.result()
+                _leave(st)
+                yield st.key, result
+            active = [st for st in active if not st.done]
+            batched.clear()
+
+
+def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
+    """Run `n` more prefill layers (None: all): (whether every layer has run, how many ran now)."""
+    k = 0
+    for _ in layers:
+        k += 1
+        if n is not None and k >= n:
+            return False, k
+    return True, k
+
+
+def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
+    """Place a prefilled stream's KV (in its pool, if any) and emit its first token. True: it joins the batch;
+    False: it is already done (its first token ended it); None: the pool lacks room now (retry after a stream
+    leaves). A stream that cannot fit an empty pool raises PoolFull."""
+    from wnw_exp.kv.pool import PoolFull
+
+    try:
+        st.finish_prefill()
+    except PoolFull:
+        if not active:
+            stats.refused.append(st.key)
+            raise
+        return None
+    if st.path.store != "packed" or st.store.pool is None or not st.path.fused:
+        st.make_step()
+    return st.emit(st.next_token, st.logits)
+
+
+def _leave(st: Stream) -> None:
+    release = getattr(st.store, "release_memory", None)
+    if release is not None:
+        release()
+
+
+def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side) -> tuple[list[int], list]:
+    """One decode step of every running stream; their next tokens (one host read) and logits."""
+    if active[0].step is not None:  # each stream on its own step (reference path, or no pool)
+        for st in active:
+            i = st.index
+            if st.path.fused:
+                st.step.body()
+                st.after_step(i)
+                st.step.head()
+            else:
+                st.step(i)
+                st.after_step(i)
+        return [int(st.step.tok) for st in active], [st.step.logits for st in active]
+    if "step" not in batched:
+        batched.update(step=BatchedFusedStep(backbone, active, active[0].path.kernels), n=0, graph=None)
+    step = batched["step"]
+    dev = backbone.device
+
+    def decode_all(capturing: bool) -> None:
+        step.body()
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            for st in active:
+                st.after_step(None if capturing else st.index)
+        step.head()
+        if side is not None:
+            torch.cuda.current_stream(dev).wait_stream(side)
+
+    use_graph = all(st.path.graph and st.store.graph_safe for st in active)
+    if batched["graph"] is not None:
+        batched["graph"]()
+    elif use_graph and batched["n"] >= WARM_STEPS:
+        torch.cuda.current_stream(dev).wait_stream(batched["warm"])
+        batched["graph"] = CapturedStep(lambda: decode_all(True))
+        batched["graph"]()
+    elif use_graph:  # PyTorch's recipe: warm up on a side stream before capturing
+        warm = batched.setdefault("warm", torch.cuda.Stream(dev))
+        warm.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(warm):
+            decode_all(False)
+        torch.cuda.current_stream(dev).wait_stream(warm)
+    else:
+        decode_all(False)
+    batched["n"] += 1
+    return step.tok.view(-1).tolist(), list(step.logits.float())
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

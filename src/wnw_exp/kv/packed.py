@@ -463,6 +463,11 @@ class PackedAudioKVStore(StepAccounting):
         return self._union
 
     def audio_bytes_on_device(self) -> int:
+        if self.extent is not None:  # views into the pool: the rows the extent gives the audio regions
+            return sum(t.numel() * t.element_size() for t in (self.audio_k, self.audio_v, self.audio_pos)) \
+                + self.audio_len.untyped_storage().nbytes()
+        if self.audio_k is None:  # released to the pool
+            return 0
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
 
 

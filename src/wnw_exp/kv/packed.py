@@ -199,8 +199,8 @@ class PackedAudioKVStore(StepAccounting):
         need = self.rows_needed(new_caps)
         ext = self.pool.alloc(need)
         if ext is None:
-            raise PoolFull(f"the stream needs {need * self.pool.row_bytes / 1e9:.3f} GB of KV, the pool has "
-                           f"{self.pool.capacity_bytes / 1e9:.3f} GB of which {self.pool.stats()['used_bytes'] / 1e9:.3f} "
+            raise PoolFull(f"the stream needs {need * self.pool.row_bytes / 1e6:.1f} MB of KV, the pool has "
+                           f"{self.pool.capacity_bytes / 1e6:.1f} MB of which {self.pool.stats()['used_bytes'] / 1e6:.1f} "
                            "in use")
         self.extent = ext
         k, v, pos = self.pool.views(ext)

@@ -44,6 +44,7 @@ class KVPool:
         self.v = torch.empty_like(self.k)
         self.pos = torch.full((self.n_blocks * block,), -1, device=self.device, dtype=torch.int32)  # audio slots' positions
         self._free: list[tuple[int, int]] = [(0, self.n_blocks)]  # (first block, length), sorted, never adjacent
+        self._live: dict[int, Extent] = {}  # extents handed out, by first block
         self.used_blocks = self.peak_blocks = 0
         self.n_refused = 0
 
@@ -83,15 +84,17 @@ class KVPool:
                     self._free[i] = (b + need, n - need)
                 self.used_blocks += need
                 self.peak_blocks = max(self.peak_blocks, self.used_blocks)
-                return Extent(b, need, b * self.block, int(n_rows))
+                ext = self._live[b] = Extent(b, need, b * self.block, int(n_rows))
+                return ext
         self.n_refused += 1
         return None
 
     def free(self, ext: Extent) -> None:
+        if self._live.get(ext.block) != ext:
+            raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
+        del self._live[ext.block]
         i = bisect.bisect_left(self._free, (ext.block, 0))
         b, n = ext.block, ext.n_blocks
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] > b or i < len(self._free) and b + n > self._free[i][0]:
-            raise RuntimeError("KVPool.free: the extent overlaps free blocks (freed twice?)")
         if i < len(self._free) and b + n == self._free[i][0]:  # merge with the next free run
             n += self._free.pop(i)[1]
         if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == b:  # and with the previous one

@@ -227,3 +227,47 @@ def test_batched_step_in_triton_matches_bs1():
         assert batched[i].tokens == a.tokens
         assert max(float((x - y).abs().max()) for x, y in zip(a.logits, batched[i].logits)) < tol
         assert batched[i].trace == a.trace
+
+
+# --- wnw-run batch_size ----------------------------------------------------------------------------------
+def _run_config(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=9",
+                                           f"dataset.cache_dir={tmp_path / 'cache'}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("method", ["wnw", "arkvale"])
+def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, method):
+    from wnw_exp.engine.runner import run
+    from wnw_exp.rundir import identity_hash
+
+    cfg1 = _run_config(tmp_path, f"method={method}", "dataset.n=4")
+    cfg3 = _run_config(tmp_path, f"method={method}", "dataset.n=4", "batch_size=3")
+    assert identity_hash(cfg1) == identity_hash(cfg3)  # the same results, the same run directory
+    m1 = run(cfg1, tmp_path / "bs1", progress=False)
+    run({**cfg3, "dataset": {**cfg3["dataset"], "n": 1}}, tmp_path / "bs3", progress=False)  # a first sample, then resume
+    m3 = run(cfg3, tmp_path / "bs3", progress=False)
+    lines1 = (tmp_path / "bs1" / "predictions.jsonl").read_text().splitlines()
+    lines3 = (tmp_path / "bs3" / "predictions.jsonl").read_text().splitlines()
+    assert len(lines3) == 4 and sorted(lines3) == sorted(lines1)  # byte for byte (lines in the order samples finish)
+    timing = {"ms_per_token", "prefill_ms"}  # wall clock: a batch's step is longer than one sample's
+    assert {k: v for k, v in m3.items() if k not in timing} == {k: v for k, v in m1.items() if k not in timing}
+    for i in range(4):
+        name = f"synthetic-test-{i}.json"
+        assert (tmp_path / "bs3" / "trace" / name).read_bytes() == (tmp_path / "bs1" / "trace" / name).read_bytes()
+
+
+@pytest.mark.parametrize("bad", ["0", "-2"])
+def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path, bad):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", f"batch_size={bad}", f"runs_root={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [f"wnw-run: error: batch_size={bad}: the number of samples decoded together, a "
+                                       "whole number >= 1"]

@@ -31,6 +31,7 @@ class DecodeResult:
     store_summary: dict
     trace: dict = field(default_factory=dict)  # per-step records for figures
     logits: list[torch.Tensor] | None = None  # per generated token, when asked for
+    knobs: dict = field(default_factory=dict)  # the stream's policy's `knobs()` (its own, in a batch)
 
     @property
     def ms_per_token(self) -> float:
@@ -223,7 +224,7 @@ class Stream:
                      n_audio=prompt.n_audio, n_full=store.n_full,
                      n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **self.policy.trace())
         return DecodeResult(self.tokens, self.terminated, self.step_ms, self.prefill_ms, store.summary(), trace,
-                            self.kept if self.keep_logits else None)
+                            self.kept if self.keep_logits else None, self.policy.knobs())
 
 
 @torch.no_grad()
@@ -407,6 +408,17 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 yield st.key, result
             active = [st for st in active if not st.done]
             batched.clear()
+
+
+def default_pool(backbone: Backbone, fraction: float = 0.8):
+    """On CUDA, a `KVPool` of `fraction` of the device memory free now (the budget batched streams share); None on
+    other devices (streams then allocate their own)."""
+    if backbone.device.type != "cuda":
+        return None
+    from wnw_exp.kv.pool import KVPool
+
+    free, _ = torch.cuda.mem_get_info(backbone.device)
+    return KVPool.of_bytes(free * fraction, backbone.head_dim, backbone.dtype, backbone.device)
 
 
 def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:

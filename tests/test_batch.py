@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -271,3 +272,29 @@ def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path, bad):
     assert out.returncode == 2
     assert out.stderr.splitlines() == [f"wnw-run: error: batch_size={bad}: the number of samples decoded together, a "
                                        "whole number >= 1"]
+
+
+def test_serving_benchmark_smoke(tmp_path):
+    """benchmarks/serving.py --smoke: every method's row with the issue's schema, admission within the pool, and
+    the 0.2-retention methods holding more streams than Full in the same pool."""
+    import subprocess
+
+    out = tmp_path / "serving.json"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks/serving.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    tput = {x["method"]: x for x in rows if x["kind"] == "throughput"}
+    assert set(tput) == {"full", "wnw", "adakv", "arkvale", "wnw_recall_off"}
+    schema = {"kind", "method", "retention", "audio_tokens", "kv_budget_gb", "max_concurrent", "tokens_per_s",
+              "p50_ms", "p95_ms", "h2d_gb_per_s", "date", "gpu", "command"}
+    for x in tput.values():
+        assert schema <= x.keys() and "error" not in x
+        assert x["finished"] == x["requests"] == 6 and x["refused"] == 0
+        assert x["pool_peak_gb"] <= x["pool_capacity_gb"] <= x["kv_budget_gb"]  # admission respected the pool
+        assert x["tokens_per_s"] > 0 and x["p95_ms"] >= x["p50_ms"] > 0
+    assert tput["full"]["max_concurrent"] == 2
+    assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
+    assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]
+    assert {x["method"] for x in rows if x["kind"] == "latency_bs1"} == set(tput)

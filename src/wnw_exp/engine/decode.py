@@ -128,6 +128,7 @@ class Stream:
                                       max_new_tokens + 1)
         policy.start(self.ctx, self.store)
         self.tokens: list[int] = []
+        self.emitted_at: list[float] = []  # perf_counter() when each token was there (inter-token latency)
         self.step_ms: list[float] = []
         self.kept: list[torch.Tensor] = []
         self.terminated = self.done = False
@@ -196,6 +197,7 @@ class Stream:
         if self.keep_logits:
             self.kept.append(logits.float().cpu())
         self.tokens.append(token)
+        self.emitted_at.append(time.perf_counter())
         if token in self.backbone.eos_token_ids:
             self.terminated = self.done = True
         elif len(self.tokens) >= self.max_new_tokens:
@@ -311,6 +313,8 @@ class BatchStats:
     step_ms: list[float] = field(default_factory=list)
     prefill_ms_between_steps: list[float] = field(default_factory=list)
     refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
+    joined_at: dict = field(default_factory=dict)  # key -> the decode step (index into batch_sizes) it first ran in
+    emitted_at: dict = field(default_factory=dict)  # key -> its tokens' perf_counter() times
 
 
 @torch.no_grad()
@@ -374,6 +378,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     if joined is not None:
                         admitting = None
                         if joined:
+                            stats.joined_at[st.key] = len(stats.batch_sizes)
                             active.append(st)
                             batched.clear()
                         else:
@@ -403,6 +408,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             st.emit(tokens[b], logits[b] if keep_logits else None)
         if any(st.done for st in active):
             for st in [st for st in active if st.done]:
+                stats.emitted_at[st.key] = st.emitted_at
                 result = st.result()
                 _leave(st)
                 yield st.key, result

@@ -393,7 +393,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             continue
         t0 = time.perf_counter()
         try:
-            tokens, logits = _step_all(backbone, active, batched, side)
+            tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
             for st in active:
                 _leave(st)
@@ -405,7 +405,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         stats.step_ms.append(ms)
         for b, st in enumerate(active):
             st.step_ms.append(ms)
-            st.emit(tokens[b], logits[b] if keep_logits else None)
+            st.emit(tokens[b], logits[b] if logits is not None else None)
         if any(st.done for st in active):
             for st in [st for st in active if st.done]:
                 stats.emitted_at[st.key] = st.emitted_at
@@ -461,8 +461,9 @@ def _leave(st: Stream) -> None:
         release()
 
 
-def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side) -> tuple[list[int], list]:
-    """One decode step of every running stream; their next tokens (one host read) and logits."""
+def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
+              keep_logits: bool) -> tuple[list[int], list | None]:
+    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits."""
     if active[0].step is not None:  # each stream on its own step (reference path, or no pool)
         for st in active:
             i = st.index
@@ -473,7 +474,7 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side) -> 
             else:
                 st.step(i)
                 st.after_step(i)
-        return [int(st.step.tok) for st in active], [st.step.logits for st in active]
+        return [int(st.step.tok) for st in active], [st.step.logits for st in active] if keep_logits else None
     if "step" not in batched:
         batched.update(step=BatchedFusedStep(backbone, active, active[0].path.kernels), n=0, graph=None)
     step = batched["step"]
@@ -506,7 +507,7 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side) -> 
     else:
         decode_all(False)
     batched["n"] += 1
-    return step.tok.view(-1).tolist(), list(step.logits.float())
+    return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

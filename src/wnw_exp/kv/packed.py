@@ -76,12 +76,12 @@ class PackedAudioKVStore(StepAccounting):
         R = L * H
         self.n_rows = R
         self.pool, self.extent = pool, None
-        if pool is not None and (pool.head_dim, pool.dtype, pool.device) != (head_dim, dtype, self.device):
-            raise ValueError("the KV pool's head_dim, dtype and device must be the store's")
         self.caps = np.full(R, N, np.int64)  # slots each row owns (host: the layout only changes in compact)
         self._set_layout()
         self.audio_k = torch.empty(R * N, D, device=dev, dtype=dtype)
         self.audio_v = torch.empty_like(self.audio_k)
+        if pool is not None and (pool.head_dim, pool.dtype, pool.k.device) != (head_dim, dtype, self.audio_k.device):
+            raise ValueError("the KV pool's head_dim, dtype and device must be the store's")
         self.audio_pos = torch.arange(N, device=dev, dtype=torch.int32).repeat(R)
         self.audio_len = torch.full((L, H), N, device=dev, dtype=torch.int32)
         pin = self.device.type == "cuda"

@@ -171,8 +171,10 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
 # --- a batch of streams: every (stream, KV head) ragged region read from one KV pool (issue 16) ---------------
 @triton.jit
 def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, aoff_ptr, alen_ptr, po_ptr, plse_ptr,
-                            scale, N_SPLITS, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                            BLOCK: tl.constexpr, TILES: tl.constexpr):
+                            scale, N_SPLITS, TILES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK: tl.constexpr):
+    # TILES is a runtime argument here (a constexpr in `_partial_kernel`): the batch's key bound changes whenever a
+    # stream joins or leaves, and a constexpr would compile the kernel again for each new value.
     bh = tl.program_id(0)  # stream * H + KV head
     sp = tl.program_id(1)
     b = bh // H
@@ -237,7 +239,7 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
     assert pool_k.stride(0) == D and pool_v.stride(0) == D
     _batched_partial_kernel[(B * H, n_splits)](
         q.contiguous(), pool_k, pool_v, pool_pos, dense_off, dense_len, audio_off, audio_len, s["po"], s["plse"],
-        scale, n_splits, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, TILES=tiles,
+        scale, n_splits, tiles, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
         num_stages=3 if pool_k.element_size() <= 2 else 1)
     _combine_kernel[(B * H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                                 NS_PAD=max(2, triton.next_power_of_2(n_splits)))

@@ -223,7 +223,7 @@ def test_batched_step_in_triton_matches_bs1():
     pool = KVPool(50_000, bb.head_dim, bb.dtype, dev)
     solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=(4, 3), seconds=(8.0, 6.0))
     assert max(stats.batch_sizes) == 2
-    tol = 2e-2 if bb.dtype == torch.bfloat16 else 1e-4
+    tol = 5e-3 if HAS_CUDA else 1e-4  # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels
     for i, a in enumerate(solo):
         assert batched[i].tokens == a.tokens
         assert max(float((x - y).abs().max()) for x, y in zip(a.logits, batched[i].logits)) < tol

@@ -139,6 +139,25 @@ def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing():
         assert batched[i].tokens == a.tokens and batched[i].trace == a.trace
 
 
+def test_a_stream_whose_step_fails_fails_alone():
+    from wnw_exp.methods.base import Policy
+
+    class FailsAtStep2(Policy):
+        def after_step(self, step):
+            if step == 2:
+                raise RuntimeError("boom")
+
+    bb = _backbone("voxtral")
+    prompts = _prompts(bb)
+    forks = iter([Policy(), FailsAtStep2(), Policy()])
+    out = dict(decode_batch(bb, [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, CAPS))], lambda: next(forks),
+                            retention=1.0, store="reference"))
+    assert isinstance(out[1], RuntimeError) and str(out[1]) == "boom"
+    for i in (0, 2):
+        assert out[i].tokens == generate(bb, prompts[i], Policy(), retention=1.0, max_new_tokens=CAPS[i],
+                                         store="reference").tokens
+
+
 def test_pool_allocator():
     pool = KVPool(640, 8, torch.float32, "cpu", block=64)  # 10 blocks
     assert pool.k.shape == (640, 8) and pool.capacity_bytes == 640 * 8 * 4 * 2

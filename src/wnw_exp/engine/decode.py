@@ -350,6 +350,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     admitting: tuple[Stream, Iterator] | None = None
     batched: dict = {}  # the fused path's step for the current composition (and its graph)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    waiting_for_room = False  # a prefilled stream the pool could not take yet
     while True:
         if admitting is None and not exhausted and len(active) < limit:
             req = next(pending, None)
@@ -373,16 +374,19 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 done_layers, ran = _advance(layers, prefill_chunk_layers)
                 if active and ran:
                     stats.prefill_ms_between_steps.append((time.perf_counter() - t0) * 1e3)
-                if done_layers:
+                if done_layers and not waiting_for_room:
                     joined = _admit(st, active, stats)
+                    waiting_for_room = joined is None  # retried once a stream has left
                     if joined is not None:
                         admitting = None
                         if joined:
                             stats.joined_at[st.key] = len(stats.batch_sizes)
                             active.append(st)
                             batched.clear()
-                        else:
-                            yield st.key, st.result()
+                        else:  # its first token ended it
+                            result = st.result()
+                            _leave(st)
+                            yield st.key, result
             except Exception as e:  # noqa: BLE001
                 admitting = None
                 _leave(st)
@@ -398,22 +402,28 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             for st in active:
                 _leave(st)
                 yield st.key, e
-            active, batched = [], {}
+            active, batched, waiting_for_room = [], {}, False
             continue
         ms = (time.perf_counter() - t0) * 1e3
         stats.batch_sizes.append(len(active))
         stats.step_ms.append(ms)
+        failed = {}
         for b, st in enumerate(active):
+            if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
+                failed[id(st)] = tokens[b]
+                st.done = True
+                continue
             st.step_ms.append(ms)
             st.emit(tokens[b], logits[b] if logits is not None else None)
         if any(st.done for st in active):
             for st in [st for st in active if st.done]:
                 stats.emitted_at[st.key] = st.emitted_at
-                result = st.result()
+                result = failed.get(id(st)) or st.result()
                 _leave(st)
                 yield st.key, result
             active = [st for st in active if not st.done]
             batched.clear()
+            waiting_for_room = False
 
 
 def default_pool(backbone: Backbone, fraction: float = 0.8):
@@ -464,17 +474,22 @@ def _leave(st: Stream) -> None:
 def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
               keep_logits: bool) -> tuple[list[int], list | None]:
     """One decode step of every running stream; their next tokens (one host read) and, if kept, logits."""
-    if active[0].step is not None:  # each stream on its own step (reference path, or no pool)
+    if active[0].step is not None:  # each stream on its own step (reference path, or no pool): failures its own
+        tokens = []
         for st in active:
             i = st.index
-            if st.path.fused:
-                st.step.body()
-                st.after_step(i)
-                st.step.head()
-            else:
-                st.step(i)
-                st.after_step(i)
-        return [int(st.step.tok) for st in active], [st.step.logits for st in active] if keep_logits else None
+            try:
+                if st.path.fused:
+                    st.step.body()
+                    st.after_step(i)
+                    st.step.head()
+                else:
+                    st.step(i)
+                    st.after_step(i)
+                tokens.append(int(st.step.tok))
+            except Exception as e:  # noqa: BLE001
+                tokens.append(e)
+        return tokens, [st.step.logits for st in active] if keep_logits else None
     if "step" not in batched:
         batched.update(step=BatchedFusedStep(backbone, active, active[0].path.kernels), n=0, graph=None)
     step = batched["step"]

@@ -233,20 +233,28 @@ def test_batched_ragged_attention_kernel_matches_dense_attention(G):
     assert float(p1.sum()) > 0
 
 
-def test_batched_step_in_triton_matches_bs1():
-    """The whole batched step with its Triton kernels (WnW: observers, recalls) against bs 1 on the same kernels."""
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="bf16 kernels on CUDA"))])
+def test_batched_step_in_triton_matches_bs1(dtype):
+    """The whole batched step with its Triton kernels (WnW: observers, recalls) against bs 1 on the same kernels (on
+    CUDA: with their CUDA graphs). bf16: the same tokens while the logits agree (near-ties may part them)."""
     dev = _triton_device()
     bb = _backbone("voxtral")
-    bb.model.to(dev)
+    bb.model.to(dev, dtype)
     path = dict(store="packed", fused=True, kernels="triton")
     pool = KVPool(50_000, bb.head_dim, bb.dtype, dev)
-    solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=(4, 3), seconds=(8.0, 6.0))
+    caps = (4, 3) if not HAS_CUDA else (12, 9)
+    solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=caps, seconds=(8.0, 6.0))
     assert max(stats.batch_sizes) == 2
-    tol = 5e-3 if HAS_CUDA else 1e-4  # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels
+    # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels; bf16 rounds every GEMM
+    tol = 1e-4 if not HAS_CUDA else 5e-3 if dtype == torch.float32 else 0.1
     for i, a in enumerate(solo):
-        assert batched[i].tokens == a.tokens
-        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, batched[i].logits)) < tol
-        assert batched[i].trace == a.trace
+        b = batched[i]
+        same = next((k for k, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+        if dtype == torch.float32:
+            assert same == len(a.tokens) == len(b.tokens) and b.trace == a.trace
+        assert same >= 1
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits[:same], b.logits[:same])) < tol
 
 
 # --- wnw-run batch_size ----------------------------------------------------------------------------------

@@ -290,15 +290,19 @@ def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, meth
         assert (tmp_path / "bs3" / "trace" / name).read_bytes() == (tmp_path / "bs1" / "trace" / name).read_bytes()
 
 
-@pytest.mark.parametrize("bad", ["0", "-2"])
-def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path, bad):
+def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path):
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", f"batch_size={bad}", f"runs_root={tmp_path}"],
+    from wnw_exp.engine.runner import check_config
+
+    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", "batch_size=0", f"runs_root={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.splitlines() == [f"wnw-run: error: batch_size={bad}: the number of samples decoded together, a "
+    assert out.stderr.splitlines() == ["wnw-run: error: batch_size=0: the number of samples decoded together, a "
                                        "whole number >= 1"]
+    for bad in (-2, 1.5, "4", True):
+        with pytest.raises(ValueError, match=f"^batch_size={bad!r}: the number of samples decoded together"):
+            check_config({"retention": 0.2, "batch_size": bad})
 
 
 def test_serving_benchmark_smoke(tmp_path):

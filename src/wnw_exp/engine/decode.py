@@ -11,13 +11,14 @@ import importlib.util
 import math
 import time
 from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt
 from wnw_exp.backbones.layer import causal_attention, decoder_layer
-from wnw_exp.engine.step import CapturedStep, FusedStep, TorchStep
+from wnw_exp.engine.step import BatchedFusedStep, CapturedStep, FusedStep, TorchStep
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
 
@@ -30,6 +31,7 @@ class DecodeResult:
     store_summary: dict
     trace: dict = field(default_factory=dict)  # per-step records for figures
     logits: list[torch.Tensor] | None = None  # per generated token, when asked for
+    knobs: dict = field(default_factory=dict)  # the stream's policy's `knobs()` (its own, in a batch)
 
     @property
     def ms_per_token(self) -> float:
@@ -91,6 +93,142 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 WARM_STEPS = 2  # eager steps before a CUDA graph is captured (they compile the kernels and allocate the buffers)
 
 
+class Stream:
+    """One sample through the engine: its store, its policy (its own state: WnW's chunk swap, ArkVale's pages,
+    AdaKV's budgets), its positions and tokens. `generate` decodes one stream; `decode_batch` several at once.
+
+    Prefill is `prefill_layers` (a generator: one layer per item, so a scheduler can interleave a long prefill
+    with the decode steps of running streams) then `finish_prefill` (the store's compaction, which raises
+    `kv.pool.PoolFull` where the stream's KV does not fit its pool, changing nothing, so it can be retried).
+    """
+
+    def __init__(self, backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
+                 path: DecodePath, keep_logits: bool = False, pool=None, key=None):
+        self.backbone, self.prompt, self.policy, self.path, self.key = backbone, prompt, policy, path, key
+        self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
+        dev = backbone.device
+        total = prompt.input_ids.shape[1] + max_new_tokens
+        if total > backbone.max_positions:
+            raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
+                             f"the model's context of {backbone.max_positions} positions: use shorter audio")
+        n_kv, d = backbone.n_kv_heads, backbone.head_dim
+        self.ctx = SampleContext(backbone.n_layers, backbone.n_q_heads, n_kv, d, backbone.token_rate, prompt.n_audio,
+                                 retention, dev)
+        if path.store == "packed":
+            from wnw_exp.kv.packed import PackedAudioKVStore
+
+            self.store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
+                                            max_new_tokens + 1, kernels=path.kernels, pool=pool)
+        else:
+            if pool is not None:
+                raise ValueError("a KV pool is the packed store's (store=packed)")
+            from wnw_exp.kv.reference import AudioKVStore
+
+            self.store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
+                                      max_new_tokens + 1)
+        policy.start(self.ctx, self.store)
+        self.tokens: list[int] = []
+        self.emitted_at: list[float] = []  # perf_counter() when each token was there (inter-token latency)
+        self.step_ms: list[float] = []
+        self.kept: list[torch.Tensor] = []
+        self.terminated = self.done = False
+        self.prefill_ms = 0.0
+        self.logits: torch.Tensor | None = None
+        self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
+
+    def prefill_layers(self):
+        """Prefill layer by layer (the backbone's modules, `backbones.layer.decoder_layer`); yields after each."""
+        bb, prompt, policy, store = self.backbone, self.prompt, self.policy, self.store
+        n_q, n_kv, d = bb.n_q_heads, bb.n_kv_heads, bb.head_dim
+        t0 = time.perf_counter()
+        hidden = bb.embed_prompt(prompt)
+        positions, span = bb.prompt_positions(prompt), prompt.audio_span
+        rope_cache: tuple | None = None
+        for li, layer in enumerate(bb.layers):
+            hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
+            if rope_cache is None or rope_cache[0] is not positions:
+                rope_cache = (positions, *bb.rotary(hidden, positions))
+            _, cos, sin = rope_cache
+
+            def attention(q, k, v, scale, li=li, span=span):
+                out = causal_attention(q, k, v, scale)
+                store.write_prefill(li, k[0], v[0], span)
+                policy.place(li, prefill_scores(q[0], k[0], span, scale))
+                return out
+
+            hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
+            _sync(bb.device)
+            self.prefill_ms += (time.perf_counter() - t0) * 1e3
+            yield
+            t0 = time.perf_counter()
+        self._last_hidden = hidden[:, -1:]
+
+    def finish_prefill(self) -> None:
+        """The store's compaction (frees the dropped rows; may raise PoolFull), the decisions in force at decode
+        step 0, the first token's logits."""
+        t0 = time.perf_counter()
+        self.store.compact(headroom=self.policy.recall_headroom)
+        self.policy.after_prefill()
+        self.store.flush()  # decisions made at prefill are in force at decode step 0
+        bb = self.backbone
+        self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
+        self.next_token = int(torch.argmax(self.logits))
+        del self._last_hidden
+        self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
+        _sync(bb.device)
+        self.prefill_ms += (time.perf_counter() - t0) * 1e3
+
+    def prefill(self) -> None:
+        for _ in self.prefill_layers():
+            pass
+        self.finish_prefill()
+
+    def make_step(self) -> None:
+        """The stream's own decode step, its first token in place."""
+        bb = self.backbone
+        if self.path.fused:
+            self.step = FusedStep(bb, self.store, self.policy, self.cos, self.sin, self.path.kernels)
+        else:
+            self.step = TorchStep(bb, self.store, self.policy, self.cos, self.sin)
+        self.step.tok.copy_(torch.tensor(self.next_token).view_as(self.step.tok))
+
+    def emit(self, token: int, logits: torch.Tensor | None) -> bool:
+        """Record the token the last step (or prefill) produced; True while the stream goes on decoding."""
+        if self.keep_logits:
+            self.kept.append(logits.float().cpu())
+        self.tokens.append(token)
+        self.emitted_at.append(time.perf_counter())
+        if token in self.backbone.eos_token_ids:
+            self.terminated = self.done = True
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.done = True
+        return not self.done
+
+    @property
+    def index(self) -> int:
+        """The decode step the stream runs next (0: the step that embeds the first generated token)."""
+        return len(self.tokens) - 1
+
+    def after_step(self, i: int | None) -> None:
+        """The method's decision for the next step and the store's moves and accounting (fused path: the moves are
+        queued, flushed here)."""
+        self.policy.after_step(i)
+        if self.path.fused:
+            self.store.flush()
+            self.store.record_step()
+        else:
+            self.store.end_step()
+
+    def result(self) -> DecodeResult:
+        store, prompt = self.store, self.prompt
+        store.check()
+        trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
+                     n_audio=prompt.n_audio, n_full=store.n_full,
+                     n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **self.policy.trace())
+        return DecodeResult(self.tokens, self.terminated, self.step_ms, self.prefill_ms, store.summary(), trace,
+                            self.kept if self.keep_logits else None, self.policy.knobs())
+
+
 @torch.no_grad()
 def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
              keep_logits: bool = False, store: str = "auto", fused: bool | None = None, graph: bool | None = None,
@@ -109,88 +247,33 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
     """
     dev = backbone.device
     path = decode_path(dev, policy, store, fused, graph, kernels)
-    n_q, n_kv, d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
-    total = prompt.input_ids.shape[1] + max_new_tokens
-    if total > backbone.max_positions:
-        raise ValueError(f"prompt ({prompt.input_ids.shape[1]} tokens) plus {max_new_tokens} new tokens exceeds "
-                         f"the model's context of {backbone.max_positions} positions: use shorter audio")
-    ctx = SampleContext(backbone.n_layers, n_q, n_kv, d, backbone.token_rate, prompt.n_audio, retention, dev)
-    if path.store == "packed":
-        from wnw_exp.kv.packed import PackedAudioKVStore
-
-        store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1,
-                                   kernels=path.kernels)
-    else:
-        from wnw_exp.kv.reference import AudioKVStore
-
-        store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype, max_new_tokens + 1)
-    policy.start(ctx, store)
-
-    _sync(dev)
-    t0 = time.perf_counter()
-    hidden = backbone.embed_prompt(prompt)
-    prompt_pos = backbone.prompt_positions(prompt)
-    positions, span = prompt_pos, prompt.audio_span
-    rope_cache: tuple | None = None
-    for li, layer in enumerate(backbone.layers):
-        hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
-        if rope_cache is None or rope_cache[0] is not positions:
-            rope_cache = (positions, *backbone.rotary(hidden, positions))
-        _, cos, sin = rope_cache
-
-        def attention(q, k, v, scale, li=li, span=span):
-            out = causal_attention(q, k, v, scale)
-            store.write_prefill(li, k[0], v[0], span)
-            policy.place(li, prefill_scores(q[0], k[0], span, scale))
-            return out
-
-        hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
-    store.compact(headroom=policy.recall_headroom)  # frees the dropped rows' memory
-    policy.after_prefill()
-    store.flush()  # decisions made at prefill are in force at decode step 0
-    logits = backbone.lm_head(backbone.final_norm(hidden[:, -1:]))[0, -1].float()
-    _sync(dev)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-
-    cos, sin = backbone.rope_table(prompt_pos, max_new_tokens)
-    if path.fused:
-        step = FusedStep(backbone, store, policy, cos, sin, path.kernels)
-    else:
-        step = TorchStep(backbone, store, policy, cos, sin)
+    stream = Stream(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens, path=path,
+                    keep_logits=keep_logits)
+    stream.prefill()
+    stream.make_step()
+    step, store = stream.step, stream.store
     side = torch.cuda.Stream(dev) if path.fused and dev.type == "cuda" else None
 
     def decode_one(i: int | None) -> None:
         """One token: the step, the method's decision for the next step, the store's moves and accounting."""
         if not path.fused:
             step(i)
-            policy.after_step(i)
-            store.end_step()
+            stream.after_step(i)
             return
         step.body()
         if side is not None:  # the decision and its copies overlap the final norm and the LM head
             side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            policy.after_step(i)
-            store.flush()
-            store.record_step()
+            stream.after_step(i)
         step.head()
         if side is not None:
             torch.cuda.current_stream(dev).wait_stream(side)
 
-    step.tok.copy_(torch.argmax(logits).view_as(step.tok))
-    tokens, step_ms, kept = [], [], []
-    terminated = False
+    logits = stream.logits
     captured = None
     warm = torch.cuda.Stream(dev) if path.graph else None  # eager steps before a capture run on a side stream
     for i in range(max_new_tokens):
-        if keep_logits:
-            kept.append(logits.float().cpu())
-        token = int(step.tok)
-        tokens.append(token)
-        if token in backbone.eos_token_ids:
-            terminated = True
-            break
-        if i == max_new_tokens - 1:
+        if not stream.emit(int(step.tok), logits):
             break
         t0 = time.perf_counter()
         if captured is not None:
@@ -208,14 +291,238 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
             decode_one(i)
         logits = step.logits
         _sync(dev)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-    store.check()
+        stream.step_ms.append((time.perf_counter() - t0) * 1e3)
+    return stream.result()
 
-    trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
-                 n_audio=prompt.n_audio, n_full=store.n_full,
-                 n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **policy.trace())
-    return DecodeResult(tokens, terminated, step_ms, prefill_ms, store.summary(), trace,
-                        kept if keep_logits else None)
+
+@dataclass
+class Request:
+    """One sample for `decode_batch`: its prompt and length cap; `key` names it in the results."""
+
+    key: object
+    prompt: Prompt
+    max_new_tokens: int
+
+
+@dataclass
+class BatchStats:
+    """What `decode_batch` saw: the batch size at each decode step, its wall time, and the prefill layers run
+    between two steps (chunked prefill) with their time."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    prefill_ms_between_steps: list[float] = field(default_factory=list)
+    refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
+    joined_at: dict = field(default_factory=dict)  # key -> the decode step (index into batch_sizes) it first ran in
+    emitted_at: dict = field(default_factory=dict)  # key -> its tokens' perf_counter() times
+
+
+@torch.no_grad()
+def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
+                 retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
+                 store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
+                 prefill_chunk_layers: int | None = None, stats: BatchStats | None = None
+                 ) -> Iterator[tuple[object, DecodeResult | Exception]]:
+    """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
+    (or (key, exception) for one that failed), in the order they finish.
+
+    A request joins when fewer than `max_concurrent` streams run (None: no limit but the pool's) and, with a
+    `pool` (`kv.pool.KVPool`, the packed store's), when the pool has a free extent for its placed KV and all it can
+    grow to (its dense part for every token it may generate, each head's recall room): otherwise it waits, its
+    prefill done, until a stream leaves and frees its extent; one that cannot fit an empty pool is refused
+    (`PoolFull` as its result). Prefill runs `prefill_chunk_layers` layers between two decode steps (None: a whole
+    prefill at once), so an admission does not stall the running streams for a whole prefill.
+
+    Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
+    result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
+    `generate`: the same arithmetic, byte for byte); on the fused path with a pool one `BatchedFusedStep` steps
+    every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions),
+    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps.
+    """
+    dev = backbone.device
+    stats = stats if stats is not None else BatchStats()
+    limit = max_concurrent if max_concurrent is not None else 1 << 30
+    if limit < 1:
+        raise ValueError(f"max_concurrent={max_concurrent!r}: at least 1 stream")
+    pending = iter(requests)
+    exhausted = False
+    active: list[Stream] = []
+    admitting: tuple[Stream, Iterator] | None = None
+    batched: dict = {}  # the fused path's step for the current composition (and its graph)
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    waiting_for_room = False  # a prefilled stream the pool could not take yet
+    while True:
+        if admitting is None and not exhausted and len(active) < limit:
+            req = next(pending, None)
+            if req is None:
+                exhausted = True
+            else:
+                try:
+                    policy = make_policy()
+                    path = decode_path(dev, policy, store, fused, graph, kernels)
+                    st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
+                                path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
+                                key=req.key)
+                    admitting = (st, st.prefill_layers())
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    yield req.key, e
+                    continue
+        if admitting is not None:
+            st, layers = admitting
+            try:
+                t0 = time.perf_counter()
+                done_layers, ran = _advance(layers, prefill_chunk_layers)
+                if active and ran:
+                    stats.prefill_ms_between_steps.append((time.perf_counter() - t0) * 1e3)
+                if done_layers and not waiting_for_room:
+                    joined = _admit(st, active, stats)
+                    waiting_for_room = joined is None  # retried once a stream has left
+                    if joined is not None:
+                        admitting = None
+                        if joined:
+                            stats.joined_at[st.key] = len(stats.batch_sizes)
+                            active.append(st)
+                            batched.clear()
+                        else:  # its first token ended it
+                            result = st.result()
+                            _leave(st)
+                            yield st.key, result
+            except Exception as e:  # noqa: BLE001
+                admitting = None
+                _leave(st)
+                yield st.key, e
+        if not active:
+            if admitting is None and exhausted:
+                return
+            continue
+        t0 = time.perf_counter()
+        try:
+            tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
+        except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
+            for st in active:
+                _leave(st)
+                yield st.key, e
+            active, batched, waiting_for_room = [], {}, False
+            continue
+        ms = (time.perf_counter() - t0) * 1e3
+        stats.batch_sizes.append(len(active))
+        stats.step_ms.append(ms)
+        failed = {}
+        for b, st in enumerate(active):
+            if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
+                failed[id(st)] = tokens[b]
+                st.done = True
+                continue
+            st.step_ms.append(ms)
+            st.emit(tokens[b], logits[b] if logits is not None else None)
+        if any(st.done for st in active):
+            for st in [st for st in active if st.done]:
+                stats.emitted_at[st.key] = st.emitted_at
+                result = failed.get(id(st)) or st.result()
+                _leave(st)
+                yield st.key, result
+            active = [st for st in active if not st.done]
+            batched.clear()
+            waiting_for_room = False
+
+
+def default_pool(backbone: Backbone, fraction: float = 0.8):
+    """On CUDA, a `KVPool` of `fraction` of the device memory free now (the budget batched streams share); None on
+    other devices (streams then allocate their own)."""
+    if backbone.device.type != "cuda":
+        return None
+    from wnw_exp.kv.pool import KVPool
+
+    free, _ = torch.cuda.mem_get_info(backbone.device)
+    return KVPool.of_bytes(free * fraction, backbone.head_dim, backbone.dtype, backbone.device)
+
+
+def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
+    """Run `n` more prefill layers (None: all): (whether every layer has run, how many ran now)."""
+    k = 0
+    for _ in layers:
+        k += 1
+        if n is not None and k >= n:
+            return False, k
+    return True, k
+
+
+def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
+    """Place a prefilled stream's KV (in its pool, if any) and emit its first token. True: it joins the batch;
+    False: it is already done (its first token ended it); None: the pool lacks room now (retry after a stream
+    leaves). A stream that cannot fit an empty pool raises PoolFull."""
+    from wnw_exp.kv.pool import PoolFull
+
+    try:
+        st.finish_prefill()
+    except PoolFull:
+        if not active:
+            stats.refused.append(st.key)
+            raise
+        return None
+    if st.path.store != "packed" or st.store.pool is None or not st.path.fused:
+        st.make_step()
+    return st.emit(st.next_token, st.logits)
+
+
+def _leave(st: Stream) -> None:
+    release = getattr(st.store, "release_memory", None)
+    if release is not None:
+        release()
+
+
+def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
+              keep_logits: bool) -> tuple[list[int], list | None]:
+    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits."""
+    if active[0].step is not None:  # each stream on its own step (reference path, or no pool): failures its own
+        tokens = []
+        for st in active:
+            i = st.index
+            try:
+                if st.path.fused:
+                    st.step.body()
+                    st.after_step(i)
+                    st.step.head()
+                else:
+                    st.step(i)
+                    st.after_step(i)
+                tokens.append(int(st.step.tok))
+            except Exception as e:  # noqa: BLE001
+                tokens.append(e)
+        return tokens, [st.step.logits for st in active] if keep_logits else None
+    if "step" not in batched:
+        batched.update(step=BatchedFusedStep(backbone, active, active[0].path.kernels), n=0, graph=None)
+    step = batched["step"]
+    dev = backbone.device
+
+    def decode_all(capturing: bool) -> None:
+        step.body()
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            for st in active:
+                st.after_step(None if capturing else st.index)
+        step.head()
+        if side is not None:
+            torch.cuda.current_stream(dev).wait_stream(side)
+
+    use_graph = all(st.path.graph and st.store.graph_safe for st in active)
+    if batched["graph"] is not None:
+        batched["graph"]()
+    elif use_graph and batched["n"] >= WARM_STEPS:
+        torch.cuda.current_stream(dev).wait_stream(batched["warm"])
+        batched["graph"] = CapturedStep(lambda: decode_all(True))
+        batched["graph"]()
+    elif use_graph:  # PyTorch's recipe: warm up on a side stream before capturing
+        warm = batched.setdefault("warm", torch.cuda.Stream(dev))
+        warm.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(warm):
+            decode_all(False)
+        torch.cuda.current_stream(dev).wait_stream(warm)
+    else:
+        decode_all(False)
+    batched["n"] += 1
+    return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

@@ -92,6 +92,9 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"retention={r!r} is outside (0, 1]: it is the fraction of audio KV kept on the device")
     if cfg.get("engine", "auto") not in ENGINE_PATHS:
         raise ValueError(f"engine={cfg['engine']!r}: choose one of {', '.join(ENGINE_PATHS)}")
+    bs = cfg.get("batch_size", 1)
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"batch_size={bs!r}: the number of samples decoded together, a whole number >= 1")
 
 
 def environment(device: torch.device) -> dict:
@@ -165,24 +168,31 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
     bar = tqdm(total=len(selected), initial=sum(i in done for i in selected),
                desc=f"{cfg['model']['name']}/{cfg['method']['name']} r={cfg['retention']}", disable=not progress,
                unit="sample")
+
+    def finished(record: dict) -> None:
+        """Write a finished sample at once (whatever the others of its batch are doing): a run never loses it."""
+        sample_id = record["id"]
+        trace = record.pop("trace", None)
+        with stop.hold():
+            if trace is not None:  # the trace first: a sample is done once its prediction line exists
+                (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
+            append_prediction(run_dir, record)
+            done[sample_id] = record
+        if record["error"] is not None:
+            log.warning(f"sample {sample_id} failed: {record['error']}")
+        ended = [done[j] for j in selected if j in done]
+        ok = [r for r in ended if r.get("error") is None]
+        counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in ok])
+        bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-", failed=len(ended) - len(ok))
+        bar.update(1)
+
+    todo = [(i, sample_id) for i, sample_id in enumerate(selected) if sample_id not in done]
     try:
-        for i, sample_id in enumerate(selected):
-            if sample_id in done:
-                continue
-            record = _run_sample(dataset[i], backbone, policy, cfg)
-            trace = record.pop("trace", None)
-            with stop.hold():
-                if trace is not None:  # the trace first: a sample is done once its prediction line exists
-                    (run_dir / "trace" / f"{sample_id}.json").write_text(json.dumps(trace))
-                append_prediction(run_dir, record)
-                done[sample_id] = record
-            if record["error"] is not None:
-                log.warning(f"sample {sample_id} failed: {record['error']}")
-            finished = [done[j] for j in selected if j in done]
-            ok = [r for r in finished if r.get("error") is None]
-            counts = corpus_wer_counts([(r["reference"], r["hypothesis"]) for r in ok])
-            bar.set_postfix(wer=f"{counts.wer_percent:.1f}" if counts.ref_words else "-", failed=len(finished) - len(ok))
-            bar.update(1)
+        if cfg.get("batch_size", 1) == 1:
+            for i, _ in todo:
+                finished(_run_sample(dataset[i], backbone, policy, cfg))
+        else:
+            _run_batched([dataset[i] for i, _ in todo], backbone, policy, cfg, finished)
     finally:
         bar.close()
 
@@ -210,40 +220,88 @@ def _check_fits(backbone, seconds: float, per_s: float, minimum: int) -> None:
 
 
 def _run_sample(sample, backbone, policy, cfg) -> dict:
-    duration = sample.duration if sample.duration == sample.duration else None  # NaN: header unreadable
-    base = dict(id=sample.id, reference=sample.reference, task=sample.task, duration=duration)
+    base = _base(sample)
     try:
-        per_s, minimum = cfg["model"]["max_new_tokens_per_second"], cfg["model"]["min_new_tokens"]
-        if duration is not None:  # from the audio header, before anything is decoded
-            _check_fits(backbone, duration, per_s, minimum)
-        audio = sample.audio()
-        if len(audio) == 0:
-            raise ValueError("the audio file holds no samples")
-        not_finite = int(np.count_nonzero(~np.isfinite(audio)))
-        if not_finite:
-            raise ValueError(f"the audio holds {not_finite} NaN or infinite values (of {len(audio)} at 16 kHz): "
-                             "the recording is corrupt")
-        prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
-        cap = max_new_tokens_for(len(audio) / 16000, per_s, minimum)
+        prompt, cap = _prompt(sample, backbone, cfg)
         res = generate(backbone, prompt, policy, retention=cfg["retention"], max_new_tokens=cap,
                        **ENGINE_PATHS[cfg.get("engine", "auto")])
-        tokens = [t for t in res.tokens if t not in backbone.eos_token_ids]
-        s = res.store_summary
-        return dict(base, hypothesis=backbone.decode(tokens), n_new_tokens=len(res.tokens),
-                    terminated=res.terminated, r_gpu=s["r_gpu"], r_gpu_cpu=s["r_gpu_cpu"], r_gpu_end=s["r_gpu_end"],
-                    r_gpu_cpu_end=s["r_gpu_cpu_end"], ms_per_token=_finite(res.ms_per_token),
-                    mb_per_step=s["mb_per_step"], prefill_ms=res.prefill_ms, n_audio_tokens=prompt.n_audio,
-                    audio_bytes_on_device=s["audio_bytes_on_device"], knobs=policy.knobs(), error=None,
-                    trace=dict(res.trace, reference_words=len(sample.reference.split()),
-                               reference_tokens=backbone.count_tokens(sample.reference)))
+        return _record(base, sample, prompt, res, backbone)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the run goes on
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            torch.cuda.empty_cache()
-        return dict(base, hypothesis="", n_new_tokens=0, terminated=False, r_gpu=None, r_gpu_cpu=None,
-                    ms_per_token=None, mb_per_step=None, error=f"{type(e).__name__}: {e}",
-                    error_trace=traceback.format_exc(limit=3))
+        return _failed(base, e)
+
+
+def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
+    """`batch_size` samples decoded together (`engine.decode.decode_batch`, each with its own fork of `policy`);
+    each one's record goes to `finished` as soon as it ends. On CUDA the streams share one KV pool (80% of the
+    device memory free after the weights); a stream it cannot hold waits for one to leave."""
+    from wnw_exp.engine.decode import Request, decode_batch, default_pool
+
+    path = ENGINE_PATHS[cfg.get("engine", "auto")]
+    waiting: dict = {}
+
+    def requests():
+        for sample in samples:
+            try:
+                prompt, cap = _prompt(sample, backbone, cfg)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed sample is recorded, the run goes on
+                finished(_failed(_base(sample), e))
+                continue
+            waiting[sample.id] = (sample, prompt)
+            yield Request(sample.id, prompt, cap)
+
+    pool = default_pool(backbone) if path.get("store") != "reference" else None
+    for key, res in decode_batch(backbone, requests(), policy.fork, retention=cfg["retention"],
+                                 max_concurrent=cfg["batch_size"], pool=pool, **path):
+        sample, prompt = waiting.pop(key)
+        if isinstance(res, Exception):
+            finished(_failed(_base(sample), res, res.__traceback__))
+        else:
+            finished(_record(_base(sample), sample, prompt, res, backbone))
+
+
+def _base(sample) -> dict:
+    duration = sample.duration if sample.duration == sample.duration else None  # NaN: header unreadable
+    return dict(id=sample.id, reference=sample.reference, task=sample.task, duration=duration)
+
+
+def _prompt(sample, backbone, cfg):
+    """The sample's prompt and its answer's length cap; raises on audio that cannot be decoded."""
+    per_s, minimum = cfg["model"]["max_new_tokens_per_second"], cfg["model"]["min_new_tokens"]
+    if _base(sample)["duration"] is not None:  # from the audio header, before anything is decoded
+        _check_fits(backbone, sample.duration, per_s, minimum)
+    audio = sample.audio()
+    if len(audio) == 0:
+        raise ValueError("the audio file holds no samples")
+    not_finite = int(np.count_nonzero(~np.isfinite(audio)))
+    if not_finite:
+        raise ValueError(f"the audio holds {not_finite} NaN or infinite values (of {len(audio)} at 16 kHz): "
+                         "the recording is corrupt")
+    prompt = backbone.build_prompt(audio, sample.task, sample.language, sample.target_language)
+    return prompt, max_new_tokens_for(len(audio) / 16000, per_s, minimum)
+
+
+def _record(base: dict, sample, prompt, res, backbone) -> dict:
+    tokens = [t for t in res.tokens if t not in backbone.eos_token_ids]
+    s = res.store_summary
+    return dict(base, hypothesis=backbone.decode(tokens), n_new_tokens=len(res.tokens),
+                terminated=res.terminated, r_gpu=s["r_gpu"], r_gpu_cpu=s["r_gpu_cpu"], r_gpu_end=s["r_gpu_end"],
+                r_gpu_cpu_end=s["r_gpu_cpu_end"], ms_per_token=_finite(res.ms_per_token),
+                mb_per_step=s["mb_per_step"], prefill_ms=res.prefill_ms, n_audio_tokens=prompt.n_audio,
+                audio_bytes_on_device=s["audio_bytes_on_device"], knobs=res.knobs, error=None,
+                trace=dict(res.trace, reference_words=len(sample.reference.split()),
+                           reference_tokens=backbone.count_tokens(sample.reference)))
+
+
+def _failed(base: dict, e: BaseException, tb=None) -> dict:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
+    trace = "".join(traceback.format_exception(type(e), e, tb, limit=3)) if tb is not None else traceback.format_exc(limit=3)
+    return dict(base, hypothesis="", n_new_tokens=0, terminated=False, r_gpu=None, r_gpu_cpu=None,
+                ms_per_token=None, mb_per_step=None, error=f"{type(e).__name__}: {e}", error_trace=trace)
 
 
 def _finite(x: float) -> float | None:

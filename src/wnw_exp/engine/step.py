@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -129,6 +130,107 @@ class FusedStep:
         self.store.advance()
 
 
+class BatchedFusedStep:
+    """The fused step for a batch of streams whose packed stores live in one `KVPool`: one token of each stream per
+    call, in static buffers (graph-safe, like `FusedStep`).
+
+    Every GEMM runs once for the batch (B rows: the weights are read once per step, which is what batching buys),
+    RoPE and the KV append run in one launch, and each layer's attention is one launch over every (stream, KV
+    head) ragged region of the pool (`decode_attention_batched`). The methods stay per stream: each stream's
+    policy gets its own query row in `before_attention` and its own observer weights in `observe`, and the engine
+    runs each stream's decision and moves between `body()` and `head()`. Made for one set of streams (a
+    composition of the batch); the engine makes a new one when a stream joins or leaves.
+    """
+
+    def __init__(self, backbone, streams, kernels: str = "triton"):
+        self.streams = list(streams)
+        stores = [st.store for st in self.streams]
+        self.pool = stores[0].pool
+        if self.pool is None or any(s.pool is not self.pool or s.extent is None for s in stores):
+            raise ValueError("a batched step needs every stream's store placed in one KV pool")
+        B, L = len(stores), backbone.n_layers
+        self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
+        H = self.n_kv
+        self.layers = backbone.fused_layers()
+        self.add_rmsnorm, _, self.silu_mul = _ops(kernels)
+        self.rope_append, self.attention, self.probs = _batched_ops(kernels)
+        self.embed = backbone.embed_tokens.weight
+        self.norm_f, self.eps_f = backbone.final_norm.weight, float(backbone.final_norm.variance_epsilon)
+        self.lm_w, self.lm_b = backbone.lm_head.weight, backbone.lm_head.bias
+        dev, dt = self.pool.device, self.embed.dtype
+        hid, inter = self.embed.shape[1], self.layers[0].w_down.shape[1]
+        self.hidden = torch.zeros(B, hid, device=dev, dtype=dt)
+        self.normed = torch.empty(B, hid, device=dev, dtype=dt)
+        self.q = torch.empty(B, self.n_q, self.d, device=dev, dtype=dt)
+        self.act = torch.empty(B, inter, device=dev, dtype=dt)
+        self.tok = torch.tensor([[st.tokens[-1]] for st in self.streams], device=dev, dtype=torch.long)
+        self.t = torch.tensor([st.index for st in self.streams], device=dev, dtype=torch.long)
+        T = max(st.cos.shape[0] for st in self.streams)
+        self.cos = torch.zeros(B, T, self.d, device=dev, dtype=dt)
+        self.sin = torch.zeros(B, T, self.d, device=dev, dtype=dt)
+        for b, st in enumerate(self.streams):
+            self.cos[b, : st.cos.shape[0]], self.sin[b, : st.sin.shape[0]] = st.cos, st.sin
+        # Pool rows of each (layer, stream, KV head): its dense row 0 and its first audio slot (fixed once placed).
+        dense_off, audio_off = np.zeros((L, B, H), np.int64), np.zeros((L, B, H), np.int64)
+        self.max_keys = [0] * L
+        for b, s in enumerate(stores):
+            cd = s.dense_k.shape[2]
+            for li in range(L):
+                rows = np.arange(li * H, (li + 1) * H)
+                dense_off[li, b] = s.dense_row0 + rows * cd
+                audio_off[li, b] = s.audio_row0 + s.base[rows]
+                self.max_keys[li] = max(self.max_keys[li], cd + int(s.caps[rows].max()))
+        self.dense_off = torch.as_tensor(dense_off, device=dev)
+        self.audio_off = torch.as_tensor(audio_off, device=dev)
+        self.dense_len = torch.zeros(B, device=dev, dtype=torch.long)
+        self.audio_len = torch.zeros(L, B, H, device=dev, dtype=torch.int32)
+        self.observe: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]
+        for b, st in enumerate(self.streams):
+            for li in range(L):
+                heads = st.policy.observe_heads(li)
+                if heads:
+                    self.observe[li].append((b, torch.tensor(heads, dtype=torch.int32, device=dev),
+                                             torch.zeros(len(heads), st.store.n_audio, device=dev)))
+        self._scratch: list[dict] = [{} for _ in range(L)]
+        self.logits: torch.Tensor | None = None
+
+    def body(self) -> None:
+        stores = [st.store for st in self.streams]
+        torch.cat([s.dense_len for s in stores], out=self.dense_len)  # where each stream's new key goes
+        torch.index_select(self.embed, 0, self.tok.view(-1), out=self.hidden)
+        dense_next = self.dense_len + 1
+        pool, delta = self.pool, None
+        for li, w in enumerate(self.layers):
+            self.add_rmsnorm(self.hidden, delta, w.ln1, w.eps, self.normed)
+            qkv = F.linear(self.normed, w.w_qkv, w.b_qkv)
+            self.rope_append(qkv, self.cos, self.sin, self.t, self.dense_len, self.dense_off[li], self.q, pool.k,
+                             pool.v, self.n_q, self.n_kv, self.d)
+            for b, st in enumerate(self.streams):
+                st.policy.before_attention(li, self.q[b])
+            alen = self.audio_len[li]
+            torch.stack([s.audio_len[li] for s in stores], out=alen)  # after any move a method made for this layer
+            out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, self.dense_off[li], dense_next,
+                                      self.audio_off[li], alen, w.scale, max_keys=self.max_keys[li],
+                                      scratch=self._scratch[li])
+            for b, heads, probs in self.observe[li]:
+                self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
+                           probs, stores[b]._max_cap)
+                self.streams[b].policy.observe(li, probs)
+            delta = F.linear(out.view(out.shape[0], -1), w.w_o, w.b_o)
+            self.add_rmsnorm(self.hidden, delta, w.ln2, w.eps, self.normed)
+            self.silu_mul(F.linear(self.normed, w.w_gate_up), self.act)
+            delta = F.linear(self.act, w.w_down)
+        self._delta = delta
+
+    def head(self) -> None:
+        self.add_rmsnorm(self.hidden, self._delta, self.norm_f, self.eps_f, self.normed)
+        self.logits = F.linear(self.normed, self.lm_w, self.lm_b)  # (B, vocab)
+        torch.argmax(self.logits, dim=-1, keepdim=True, out=self.tok)
+        self.t += 1
+        for st in self.streams:
+            st.store.advance()
+
+
 class CapturedStep:
     """`fn` recorded once in a CUDA graph (run it eagerly at least once before, so that kernels are compiled and
     buffers allocated), replayed by each call: the same work, launched as one graph."""
@@ -167,9 +269,37 @@ def rope_append_torch(qkv, cos_table, sin_table, pos, dense_len, q_out, dense_k,
 
 
 def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    n = out.numel()
-    torch.mul(F.silu(gate_up[:n]), gate_up[n:], out=out)
+    n = out.shape[-1]
+    torch.mul(F.silu(gate_up[..., :n]), gate_up[..., n:], out=out)
     return out
+
+
+def rope_append_batched_torch(qkv, cos_table, sin_table, t, dense_len, dense_off, q_out, pool_k, pool_v, n_q, n_kv,
+                              head_dim):
+    """`triton_ops.rope_append_batched` in PyTorch: each stream's RoPE row t[b], its k/v written into the pool."""
+    B = qkv.shape[0]
+    x = qkv.view(B, n_q + 2 * n_kv, head_dim)
+    qk = x[:, : n_q + n_kv]
+    b = torch.arange(B, device=qkv.device)
+    cos, sin = cos_table[b, t][:, None], sin_table[b, t][:, None]  # (B, 1, D)
+    h = head_dim // 2
+    rot = torch.cat([-qk[..., h:], qk[..., :h]], dim=-1)
+    y = qk * cos + rot * sin
+    q_out.copy_(y[:, :n_q])
+    rows = (dense_off + dense_len.view(B, 1)).reshape(-1)
+    pool_k.index_copy_(0, rows, y[:, n_q:].reshape(-1, head_dim))
+    pool_v.index_copy_(0, rows, x[:, n_q + n_kv:].reshape(-1, head_dim))
+    return q_out
+
+
+def _batched_ops(kernels: str):
+    """(rope_append_batched, attention_batched, observed_probs) of an implementation."""
+    if kernels == "triton":
+        from wnw_exp.engine import triton_ops as t
+        from wnw_exp.kv import triton_attention as a
+        return t.rope_append_batched, a.decode_attention_batched, a.observed_probs
+    from wnw_exp.kv.packed import attention_batched_torch, observed_probs_torch
+    return rope_append_batched_torch, attention_batched_torch, observed_probs_torch
 
 
 def _ops(kernels: str):

@@ -22,6 +22,8 @@ import triton.language as tl
 
 @triton.jit
 def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, N, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * N  # one program per row (a batch of streams: one row each)
+    h_ptr, d_ptr, out_ptr = h_ptr + r, d_ptr + r, out_ptr + r
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     h = tl.load(h_ptr + cols, mask=ok, other=0.0)
@@ -38,9 +40,9 @@ def _add_rmsnorm_kernel(h_ptr, d_ptr, w_ptr, out_ptr, N, eps, HAS_DELTA: tl.cons
 
 def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 out: torch.Tensor) -> torch.Tensor:
-    """hidden (N,) += delta (in place, when given); out (N,) = RMSNorm(hidden) * weight."""
-    N = hidden.numel()
-    _add_rmsnorm_kernel[(1,)](hidden, delta if delta is not None else hidden, weight, out, N, eps,
+    """hidden (N,) or (B, N) += delta (in place, when given); out = RMSNorm(hidden) * weight, row by row."""
+    N = hidden.shape[-1]
+    _add_rmsnorm_kernel[(hidden.numel() // N,)](hidden, delta if delta is not None else hidden, weight, out, N, eps,
                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N), num_warps=8)
     return out
 
@@ -83,6 +85,8 @@ def rope_append(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Ten
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    r = tl.program_id(1).to(tl.int64)  # the row (stream) of a batch
+    gu_ptr, out_ptr = gu_ptr + r * 2 * N, out_ptr + r * N
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     g = tl.load(gu_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -92,8 +96,51 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """gate_up (2I,) = [gate | up] -> out (I,) = silu(gate) * up."""
-    N = out.numel()
+    """gate_up (2I,) = [gate | up] -> out (I,) = silu(gate) * up; (B, 2I) -> (B, I) row by row."""
+    N = out.shape[-1]
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(N, BLOCK),)](gate_up, out, N, BLOCK=BLOCK)
+    _silu_mul_kernel[(triton.cdiv(N, BLOCK), out.numel() // N)](gate_up, out, N, BLOCK=BLOCK)
     return out
+
+
+@triton.jit
+def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, doff_ptr, q_out_ptr, k_ptr, v_ptr,
+                                T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    i = tl.program_id(0)  # stream b's head row j of the fused projection: q heads, then k heads, then v heads
+    b = i // (HQ + 2 * HKV)
+    j = i % (HQ + 2 * HKV)
+    dt = qkv_ptr.dtype.element_ty
+    cols = tl.arange(0, D)
+    x = tl.load(qkv_ptr + i.to(tl.int64) * D + cols)
+    n = tl.load(dlen_ptr + b).to(tl.int64)
+    if j < HQ + HKV:
+        first = cols < D // 2
+        xr = tl.load(qkv_ptr + i.to(tl.int64) * D + tl.where(first, cols + D // 2, cols - D // 2))
+        xr = tl.where(first, -xr, xr)  # rotate_half
+        row = b.to(tl.int64) * T + tl.load(t_ptr + b).to(tl.int64)
+        c = tl.load(cos_ptr + row * D + cols).to(tl.float32)
+        s = tl.load(sin_ptr + row * D + cols).to(tl.float32)
+        a = (x.to(tl.float32) * c).to(dt)
+        bb = (xr.to(tl.float32) * s).to(dt)
+        y = (a.to(tl.float32) + bb.to(tl.float32)).to(dt)
+        if j < HQ:
+            tl.store(q_out_ptr + (b.to(tl.int64) * HQ + j) * D + cols, y)
+        else:
+            dst = tl.load(doff_ptr + b * HKV + (j - HQ)).to(tl.int64) + n
+            tl.store(k_ptr + dst * D + cols, y)
+    else:
+        dst = tl.load(doff_ptr + b * HKV + (j - HQ - HKV)).to(tl.int64) + n
+        tl.store(v_ptr + dst * D + cols, x)
+
+
+def rope_append_batched(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, t: torch.Tensor,
+                        dense_len: torch.Tensor, dense_off: torch.Tensor, q_out: torch.Tensor, pool_k: torch.Tensor,
+                        pool_v: torch.Tensor, n_q: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """B streams: qkv (B, (n_q + 2 n_kv) * D) -> q_out (B, n_q, D) after RoPE (stream b at row t[b] of its table,
+    cos_table (B, T, D)); RoPE'd k and v into the pool rows dense_off[b, h] + dense_len[b]."""
+    B = qkv.shape[0]
+    assert cos_table.is_contiguous() and sin_table.is_contiguous() and dense_off.is_contiguous()
+    _rope_append_batched_kernel[(B * (n_q + 2 * n_kv),)](qkv, cos_table, sin_table, t, dense_len, dense_off, q_out,
+                                                         pool_k, pool_v, cos_table.shape[1], HQ=n_q, HKV=n_kv,
+                                                         D=head_dim)
+    return q_out

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from wnw_exp.kv.base import StepAccounting, StepRecord
+from wnw_exp.kv.pool import KVPool, PoolFull
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -55,10 +56,13 @@ class PackedAudioKVStore(StepAccounting):
     queues_moves = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
-                 dtype: torch.dtype, dense_capacity: int, kernels: str = "auto"):
+                 dtype: torch.dtype, dense_capacity: int, kernels: str = "auto", pool: KVPool | None = None):
         """`kernels`: "triton" (attention: kv/triton_attention.py; flush and zero-copy recall: kv/triton_moves.py;
         on CUDA, or in Triton's interpreter on a CPU), "torch" (`attention_torch` and the PyTorch flush, their
-        specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch)."""
+        specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch).
+        `pool`: a `KVPool` shared by the streams of a batch; `compact` then places the dense part (with room for
+        `dense_capacity` tokens) and every head's region in one extent of it (`PoolFull` where it lacks the
+        room), and `release_memory` gives the extent back. Without a pool the store allocates its own."""
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
         if kernels == "auto":
@@ -71,10 +75,13 @@ class PackedAudioKVStore(StepAccounting):
         L, H, D, N, dev = n_layers, n_kv_heads, head_dim, n_audio, self.device
         R = L * H
         self.n_rows = R
+        self.pool, self.extent = pool, None
         self.caps = np.full(R, N, np.int64)  # slots each row owns (host: the layout only changes in compact)
         self._set_layout()
         self.audio_k = torch.empty(R * N, D, device=dev, dtype=dtype)
         self.audio_v = torch.empty_like(self.audio_k)
+        if pool is not None and (pool.head_dim, pool.dtype, pool.k.device) != (head_dim, dtype, self.audio_k.device):
+            raise ValueError("the KV pool's head_dim, dtype and device must be the store's")
         self.audio_pos = torch.arange(N, device=dev, dtype=torch.int32).repeat(R)
         self.audio_len = torch.full((L, H), N, device=dev, dtype=torch.int32)
         pin = self.device.type == "cuda"
@@ -164,7 +171,9 @@ class PackedAudioKVStore(StepAccounting):
         n_res = self.n_resident.cpu().numpy()
         recallable = self.on_host.any(dim=1).cpu().numpy()  # heads that never recall (anchors, fixed) need no room
         new_caps = np.minimum(self.n_audio, n_res + np.where(recallable, headroom, 0))
-        if not np.array_equal(new_caps, self.caps):
+        if self.pool is not None:
+            self._into_pool(new_caps)
+        elif not np.array_equal(new_caps, self.caps):
             keep = torch.as_tensor(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]),
                                    device=self.device)
             self.audio_k = self.audio_k[keep]  # new, exactly sized tensors: the old buffers are freed
@@ -178,6 +187,48 @@ class PackedAudioKVStore(StepAccounting):
         self._flush_blocks()
         if self.graph_safe:
             self._probe_zero_copy()
+
+    def rows_needed(self, caps: np.ndarray) -> int:
+        """K/V rows of a stream in a pool: the dense part (prompt text + `dense_capacity`) and the audio regions."""
+        return int(self.dense_k[0].numel() // self.head_dim * self.n_layers + caps.sum())
+
+    def _into_pool(self, new_caps: np.ndarray) -> None:
+        """Move the dense part and each row's first `new_caps` slots into one extent of the pool (raise `PoolFull`,
+        changing nothing, where the pool lacks the room); the store's own prefill buffers are freed."""
+        assert self.extent is None, "compact() into a pool runs once"
+        need = self.rows_needed(new_caps)
+        ext = self.pool.alloc(need)
+        if ext is None:
+            raise PoolFull(f"the stream needs {need * self.pool.row_bytes / 1e6:.1f} MB of KV, the pool has "
+                           f"{self.pool.capacity_bytes / 1e6:.1f} MB of which {self.pool.stats()['used_bytes'] / 1e6:.1f} "
+                           "in use")
+        self.extent = ext
+        k, v, pos = self.pool.views(ext)
+        n_dense = self.dense_k.numel() // self.head_dim
+        dk, dv = k[:n_dense].view(self.dense_k.shape), v[:n_dense].view(self.dense_k.shape)
+        dk.copy_(self.dense_k)
+        dv.copy_(self.dense_v)
+        self.dense_k, self.dense_v = dk, dv
+        keep = torch.as_tensor(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]),
+                               device=self.device)
+        ak, av = k[n_dense:], v[n_dense:]
+        torch.index_select(self.audio_k, 0, keep, out=ak)
+        torch.index_select(self.audio_v, 0, keep, out=av)
+        self.audio_k, self.audio_v = ak, av  # the full prefill buffers are freed here
+        pos[:n_dense] = -1
+        torch.index_select(self.audio_pos, 0, keep, out=pos[n_dense:])
+        self.audio_pos = pos[n_dense:]
+        self.dense_row0 = ext.start  # the pool row of dense_k[0, 0, 0]
+        self.audio_row0 = ext.start + n_dense  # the pool row of audio slot 0
+        self.caps = new_caps
+        self._set_layout()
+
+    def release_memory(self) -> None:
+        """The stream has left: give its extent back to the pool (the store must not be used after)."""
+        if self.pool is not None and self.extent is not None:
+            self.pool.free(self.extent)
+            self.extent = None
+            self.audio_k = self.audio_v = self.dense_k = self.dense_v = None
 
     def _probe_zero_copy(self) -> None:
         """Read the pinned host mirror from the GPU once, before any graph needs it; where the GPU cannot, fall back
@@ -422,6 +473,11 @@ class PackedAudioKVStore(StepAccounting):
         return self._union
 
     def audio_bytes_on_device(self) -> int:
+        if self.extent is not None:  # views into the pool: the rows the extent gives the audio regions
+            return sum(t.numel() * t.element_size() for t in (self.audio_k, self.audio_v, self.audio_pos)) \
+                + self.audio_len.untyped_storage().nbytes()
+        if self.audio_k is None:  # released to the pool
+            return 0
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
 
 
@@ -457,3 +513,47 @@ def attention_torch(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tenso
         probs_out.zero_()
         probs_out.scatter_add_(1, audio_pos[idx[heads]].long().clamp(min=0), w)
     return out
+
+
+def attention_batched_torch(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,
+                            dense_off: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
+                            audio_len: torch.Tensor, scale: float, *, max_keys: int,
+                            scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv.triton_attention.decode_attention_batched` in PyTorch (same arguments and results): each (stream, KV
+    head) gathers its dense rows and audio slots from the pool up to `max_keys`, masked by the device lengths and
+    the free slots."""
+    B, H_q, D = q.shape
+    H = dense_off.shape[1]
+    G = H_q // H
+    j = torch.arange(max(int(max_keys), 1), device=q.device)
+    dlen = dense_len.long().view(B, 1, 1)
+    in_d = j < dlen
+    in_a = (j >= dlen) & (j < dlen + audio_len.long()[..., None])
+    row = torch.where(in_d, dense_off.long()[..., None] + j, audio_off.long()[..., None] + j - dlen)
+    row = row.clamp(0, pool_k.shape[0] - 1)
+    in_a = in_a & (pool_pos[row] >= 0)
+    ok = in_d | in_a  # (B, H, K)
+    k = pool_k[row].float()
+    v = pool_v[row].float().masked_fill(~ok[..., None], 0.0)  # rows past the lengths may hold anything
+    s = torch.einsum("bhgd,bhkd->bhgk", q.view(B, H, G, D).float(), k) * scale
+    s = s.masked_fill(~ok[:, :, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhgk,bhkd->bhgd", torch.exp(s - lse[..., None]), v)
+    return out.to(q.dtype).reshape(B, H_q, D), lse.reshape(B, H_q)
+
+
+def observed_probs_torch(q: torch.Tensor, pool_k: torch.Tensor, pool_pos: torch.Tensor, audio_off: torch.Tensor,
+                         audio_len: torch.Tensor, lse: torch.Tensor, scale: float, observe: torch.Tensor,
+                         probs_out: torch.Tensor, max_audio_per_head: int) -> torch.Tensor:
+    """`kv.triton_attention.observed_probs` in PyTorch."""
+    H_q, D = q.shape
+    G = H_q // audio_off.shape[0]
+    obs = observe.long()
+    j = torch.arange(max(int(max_audio_per_head), 1), device=q.device)
+    row = (audio_off.long()[obs // G, None] + j).clamp(max=pool_k.shape[0] - 1)  # (n_obs, A)
+    pos = torch.where(j < audio_len.long()[obs // G, None], pool_pos[row], -1)
+    s = torch.einsum("od,oad->oa", q[obs].float(), pool_k[row].float()) * scale
+    w = torch.exp(s - lse[obs, None]) * (pos >= 0)
+    probs_out.zero_()
+    probs_out.scatter_add_(1, pos.long().clamp(min=0), w)
+    return probs_out

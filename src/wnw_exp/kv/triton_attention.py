@@ -169,3 +169,94 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
             q, audio_k, audio_pos, audio_off, audio_len, s["lse"], observe, probs_out, scale,
             audio_k.stride(0), probs_out.shape[1], G=G, D=D, BLOCK=BLOCK_N)
     return out
+
+
+# --- a batch of streams: every (stream, KV head) ragged region read from one KV pool (issue 16) ---------------
+@triton.jit
+def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, aoff_ptr, alen_ptr, po_ptr, plse_ptr,
+                            scale, N_SPLITS, TILES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK: tl.constexpr):
+    # TILES is a runtime argument here (a constexpr in `_partial_kernel`): the batch's key bound changes whenever a
+    # stream joins or leaves, and a constexpr would compile the kernel again for each new value.
+    bh = tl.program_id(0)  # stream * H + KV head
+    sp = tl.program_id(1)
+    b = bh // H
+    dlen = tl.load(dlen_ptr + b).to(tl.int64)
+    doff = tl.load(doff_ptr + bh).to(tl.int64)
+    aoff = tl.load(aoff_ptr + bh).to(tl.int64)
+    alen = tl.load(alen_ptr + bh).to(tl.int64)
+    total = dlen + alen
+    start = sp * (TILES * BLOCK)
+    rows = tl.arange(0, G_PAD)
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + (bh * G + rows)[:, None] * D + cols[None, :], mask=(rows < G)[:, None], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    m = tl.full((G_PAD,), -1.0e30, tl.float32)
+    lsum = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    n_tiles = tl.minimum(tl.cdiv(tl.maximum(total - start, 0), BLOCK), TILES)
+    for t in range(0, n_tiles):
+        idx = start + t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        in_d = idx < dlen
+        in_a = (idx >= dlen) & (idx < total)
+        row = tl.where(in_d, doff + idx, aoff + idx - dlen)  # the key's pool row: dense rows, then audio slots
+        in_a = in_a & (tl.load(pos_ptr + row, mask=in_a, other=-1) >= 0)  # free slots hold no key
+        ok = in_d | in_a
+        k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+    out = acc / tl.maximum(lsum, 1e-30)[:, None]
+    lse = tl.where(lsum > 0, m + tl.log(tl.maximum(lsum, 1e-30)), float("-inf"))
+    qh = bh * G + rows
+    tl.store(po_ptr + (qh[:, None] * N_SPLITS + sp) * D + cols[None, :], out, mask=(rows < G)[:, None])
+    tl.store(plse_ptr + qh * N_SPLITS + sp, lse, mask=rows < G)
+
+
+def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,
+                             dense_off: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
+                             audio_len: torch.Tensor, scale: float, *, max_keys: int,
+                             scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-query attention of one layer for B streams in one launch: q (B, H_q, D); stream b's KV head h reads
+    the dense rows [dense_off[b, h], + dense_len[b]) and the audio slots [audio_off[b, h], + audio_len[b, h]) of the
+    pool (free slots, position -1 in `pool_pos`, skipped). `max_keys` bounds every dense_len + audio_len (it fixes
+    the grid). Returns the output (B, H_q, D) in q's dtype and the log-sum-exp (B, H_q) float32, from which
+    `observed_probs` gives observer heads their softmax weights at audio positions."""
+    B, H_q, D = q.shape
+    H = dense_off.shape[1]
+    G = H_q // H
+    tiles, n_splits = n_splits_for(max_keys, B * H)
+    key = (B, H_q, D, n_splits)
+    s = scratch if scratch is not None else {}
+    if s.get("key") != key:
+        s.update(key=key, po=torch.empty(B * H_q, n_splits, D, device=q.device, dtype=torch.float32),
+                 plse=torch.empty(B * H_q, n_splits, device=q.device, dtype=torch.float32),
+                 lse=torch.empty(B, H_q, device=q.device, dtype=torch.float32))
+    out = torch.empty(B, H_q, D, device=q.device, dtype=q.dtype)
+    assert pool_k.stride(0) == D and pool_v.stride(0) == D
+    _batched_partial_kernel[(B * H, n_splits)](
+        q.contiguous(), pool_k, pool_v, pool_pos, dense_off, dense_len, audio_off, audio_len, s["po"], s["plse"],
+        scale, n_splits, tiles, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
+        num_stages=3 if pool_k.element_size() <= 2 else 1)
+    _combine_kernel[(B * H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
+                                NS_PAD=max(2, triton.next_power_of_2(n_splits)))
+    return out, s["lse"]
+
+
+def observed_probs(q: torch.Tensor, pool_k: torch.Tensor, pool_pos: torch.Tensor, audio_off: torch.Tensor,
+                   audio_len: torch.Tensor, lse: torch.Tensor, scale: float, observe: torch.Tensor,
+                   probs_out: torch.Tensor, max_audio_per_head: int) -> torch.Tensor:
+    """One stream's observer heads after `decode_attention_batched`: q (H_q, D), its audio_off/len (H,), lse (H_q,);
+    probs_out (len(observe), n_audio) zeroed and filled with exp(s - lse) at the resident audio positions."""
+    H_q, D = q.shape
+    probs_out.zero_()
+    _probs_kernel[(len(observe), max(1, triton.cdiv(max_audio_per_head, BLOCK_N)))](
+        q, pool_k, pool_pos, audio_off, audio_len, lse, observe, probs_out, scale, pool_k.stride(0),
+        probs_out.shape[1], G=H_q // audio_off.shape[0], D=D, BLOCK=BLOCK_N)
+    return probs_out

@@ -21,6 +21,7 @@ the device path is tested against, step by step.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,11 @@ class Policy:
     packed_store = True  # False: the method needs the reference store (it merges tokens, or moves anything anytime)
     recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
     graph_safe = True  # on a queuing store its decode hooks only launch device work: they may be captured
+
+    def fork(self) -> "Policy":
+        """A policy for one more sample decoded at the same time as this one's (a batch): the same knobs and caches,
+        its own per-sample state (`start` sets that state up; a copy made before it shares nothing mutable)."""
+        return copy.deepcopy(self)
 
     def check(self, retention: float) -> None:
         """Refuse a configuration that cannot work, once before any sample (raise ValueError)."""

@@ -51,6 +51,10 @@ class MismatchRecorder:
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
+    def fork(self) -> "MismatchRecorder":
+        """A recorder of its own around a fork of the wrapped policy (a batch: one per sample)."""
+        return MismatchRecorder(self.inner.fork(), self.ks, self.per_head_k)
+
     # --- the hooks it records in: the wrapped policy first, then the recording ---------------------
     def start(self, ctx: SampleContext, store: KVStore) -> None:
         self.inner.start(ctx, store)

@@ -1,0 +1,221 @@
+"""Serving throughput at a fixed KV memory budget (issue 16): continuous batching of many long-audio requests.
+
+Every request is a stream of the engine's `decode_batch` (the loop `wnw-run batch_size=` runs) on the model shapes,
+random weights and scripted anchor attention of `decode_speed.py` (imported from there, not copied). All requests
+arrive at once; the KV budget is one real allocation (`kv.pool.KVPool`): a request joins when the pool has a free
+extent for its placed KV and all it can grow to (its dense part for every token it may generate, each head's
+recall room), and leaves at its length cap (random weights: no end token), freeing it. Prefill runs
+`--prefill-chunk-layers` layers between two decode steps.
+
+    PYTHONPATH=src python3 benchmarks/serving.py --gpu --out $OUT/serving.json    # the H200 scenario, docs/gpu.md
+    python3 benchmarks/serving.py --smoke [--out x.json]                         # tiny shapes on the CPU, seconds
+
+--gpu: Voxtral-Mini-3B decoder shape, bf16, `--kv-budget-gb` (6) of KV, `--requests-4min` (32) requests of 3,000
+audio tokens (4 min at 12.5 tokens/s) and `--requests-10min` (14) of 7,500 (10 min), each answering about 3
+tokens per second of audio (720 / 1,800 tokens, +-20% per request, seeded), for Full, AdaKV@0.2, ArkVale@0.2, WnW@0.2
+and WnW@0.2 with recall off. Scripted anchors (WnW): the focus sweeps the clip once over the answer (n_audio /
+n_new audio tokens per token, a transcript's pace). Scenarios run method by method, both lengths each, with eager
+decode steps (no CUDA graph: the path least likely to fail on a first GPU run): Full, WnW, AdaKV, ArkVale; then
+`--graph-methods` (WnW, Full) again with one CUDA graph per composition of the batch (captured after 2 eager steps
+of each composition); then WnW with recall off. No scenario starts after `--deadline-s` (150 s); rows are written
+as each scenario ends, so a call cut short keeps what finished. The budget is 6 GB rather than the issue's 40 so
+that the scenarios fit one 5-minute call (the stream counts scale with the budget; 32 and 14 requests are meant to
+exceed WnW's peaks, about 28 and 13 streams by a rough estimate from the store's layout, not a measurement, so that
+the pool and not the request count sets the peak: `max_concurrent` < `requests` in a row shows it did).
+
+A row per (method, audio length): {"kind": "throughput", "method", "retention", "audio_tokens", "kv_budget_gb",
+"max_concurrent", "tokens_per_s", "p50_ms", "p95_ms", "h2d_gb_per_s"} plus: requests, generated tokens, wall
+seconds, mean batch size, prefill ms (mean per request, and the longest stall of the running streams by one
+prefill chunk), the pool's peak use, requests refused, the GPU, date and command. tokens_per_s: every generated
+token over the wall time from the arrival to the last finish (prefills included); p50/p95: inter-token latency of
+every stream over every token (the prefill chunks interleaved included); h2d_gb_per_s: host -> device bytes of the
+recalls over the decode steps run at peak concurrency, over their time. Then a "latency_bs1" row per method: the
+same request alone (p50/p95 at batch size 1, the reference for the peak's p95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_speed as ds  # noqa: E402  (the model shapes, the benchmark backbone, the scripted WnW)
+
+TOKENS_PER_AUDIO_SECOND = 3.0  # a transcript's length: about 3 tokens per second of speech
+METHODS = ("full", "wnw", "adakv", "arkvale", "wnw_recall_off")  # the last one runs after the graph rows
+
+
+def policy_for(method: str, info: dict, scores: Path, n_audio: int, n_new: int):
+    """The real method (or WnW with the scripted anchor attention), before any sample: forked per stream."""
+    from wnw_exp.methods import build_policy
+
+    if method.startswith("wnw"):
+        speed = n_audio / max(n_new, 1)
+        return ds.scripted_wnw(info, scores, n_audio, n_new + 2, speed, 0.9, recall=method == "wnw")
+    return build_policy(dict(name=method), info)
+
+
+def lengths(n: int, mean: int, seed: int = 0) -> list[int]:
+    """Answer lengths of `n` requests: `mean` +-20%, seeded."""
+    rng = np.random.default_rng(seed)
+    return [max(2, int(round(mean * f))) for f in rng.uniform(0.8, 1.2, n)]
+
+
+def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
+             chunk_layers: int | None, path: dict) -> dict:
+    from wnw_exp.engine.decode import BatchStats, Request, decode_batch
+    from wnw_exp.kv.pool import KVPool
+
+    r = 1.0 if method == "full" else retention
+    template = policy_for(method, info, scores, prompt.n_audio, max(caps))
+    template.check(r)
+    pool = KVPool.of_bytes(budget_gb * 1e9, bb.head_dim, bb.dtype, bb.device)
+    stats = BatchStats()
+    ds._sync()
+    t0 = time.perf_counter()
+    results = {}
+    for key, res in decode_batch(bb, [Request(i, prompt, c) for i, c in enumerate(caps)], template.fork,
+                                 retention=r, pool=pool, prefill_chunk_layers=chunk_layers, stats=stats, **path):
+        if isinstance(res, Exception):
+            raise res
+        results[key] = res
+    ds._sync()
+    wall = time.perf_counter() - t0
+    n_tokens = sum(len(x.tokens) for x in results.values())
+    gaps = [1e3 * (b - a) for t in stats.emitted_at.values() for a, b in zip(t, t[1:])]
+    peak = max(stats.batch_sizes) if stats.batch_sizes else 0
+    at_peak = [i for i, b in enumerate(stats.batch_sizes) if b == peak]
+    h2d = np.zeros(len(stats.batch_sizes))
+    for key, res in results.items():
+        j0 = stats.joined_at.get(key)
+        if j0 is not None:
+            steps = res.trace["h2d_bytes"]
+            h2d[j0: j0 + len(steps)] += steps[: len(h2d) - j0]
+    peak_s = sum(stats.step_ms[i] for i in at_peak) / 1e3
+    return dict(kind="throughput", method=method, retention=r, audio_tokens=prompt.n_audio, kv_budget_gb=budget_gb,
+                max_concurrent=peak, tokens_per_s=n_tokens / wall, p50_ms=_pct(gaps, 50), p95_ms=_pct(gaps, 95),
+                h2d_gb_per_s=float(h2d[at_peak].sum()) / 1e9 / peak_s if peak_s else 0.0,
+                requests=len(caps), finished=len(results), tokens=n_tokens, wall_s=wall,
+                mean_batch=float(np.mean(stats.batch_sizes)) if stats.batch_sizes else 0.0,
+                steps=len(stats.batch_sizes), step_ms_p50_at_peak=_pct([stats.step_ms[i] for i in at_peak], 50),
+                step_ms_p95_at_peak=_pct([stats.step_ms[i] for i in at_peak], 95), steps_at_peak=len(at_peak),
+                prefill_ms_mean=float(np.mean([x.prefill_ms for x in results.values()])),
+                prefill_stall_ms_max=max(stats.prefill_ms_between_steps, default=0.0),
+                prefill_chunk_layers=chunk_layers, pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
+                pool_capacity_gb=pool.capacity_bytes / 1e9, refused=len(stats.refused),
+                r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
+                path={k: v for k, v in path.items()})
+
+
+def latency_bs1(bb, prompt, method: str, info: dict, scores: Path, n_new: int, retention: float, path: dict) -> dict:
+    from wnw_exp.engine.decode import generate
+
+    r = 1.0 if method == "full" else retention
+    policy = policy_for(method, info, scores, prompt.n_audio, n_new)
+    policy.check(r)
+    res = generate(bb, prompt, policy, retention=r, max_new_tokens=n_new, **path)
+    return dict(kind="latency_bs1", method=method, retention=r, audio_tokens=prompt.n_audio, max_concurrent=1,
+                p50_ms=_pct(res.step_ms, 50), p95_ms=_pct(res.step_ms, 95), tokens=len(res.tokens),
+                prefill_ms=res.prefill_ms)
+
+
+def _pct(x, q) -> float | None:
+    return float(np.percentile(x, q)) if len(x) else None
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--gpu", action="store_true", help="the H200 scenario (Voxtral-Mini-3B shape, bf16)")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the test's)")
+    ap.add_argument("--kv-budget-gb", type=float, help="the KV pool (default: 6 with --gpu, 0.0025 with --smoke)")
+    ap.add_argument("--requests-4min", type=int, default=32)
+    ap.add_argument("--requests-10min", type=int, default=14)
+    ap.add_argument("--retention", type=float, default=0.2)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--prefill-chunk-layers", type=int, default=6, help="prefill layers between two decode steps")
+    ap.add_argument("--bs1-tokens", type=int, default=32, help="answer length of the batch-size-1 latency rows")
+    ap.add_argument("--graph-methods", default="wnw,full",
+                    help="--gpu: after every scenario ran without CUDA graphs, these again with one graph per batch "
+                         "composition ('' for none)")
+    ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        ds.DEV = "cpu"
+        torch.set_num_threads(1)
+        # 200 audio tokens, 6-token answers, room for 2 Full streams (1.1 MB each) and 4 WnW@0.2 ones (0.5 MB)
+        model_name, audio, budget = "tiny", [(200, 6)], a.kv_budget_gb or 0.0025
+        tok_mean, bs1_tokens = 6, 4
+        path = dict(store="packed", fused=True, kernels="torch")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: use --smoke for the CPU check")
+        model_name, budget, tok_mean, bs1_tokens = "voxtral", a.kv_budget_gb or 6.0, None, a.bs1_tokens
+        audio = [(3000, a.requests_4min), (7500, a.requests_10min)]
+        path = dict(graph=False)
+    out = Path(a.out) if a.out else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu (smoke)",
+                command=" ".join(["benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]),
+                torch=torch.__version__, transformers=transformers.__version__)
+    model = ds.build_model(model_name)
+    info = ds.backbone_info(model_name, model.config)
+    tmp = (out.parent if out is not None else Path("/tmp")) / "serving_tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    scores = ds.synthetic_head_scores(info, tmp / f"{info['name']}_head_scores.json")
+    # method by method, both lengths each: a call cut short keeps whole comparisons. The graph rows come after the
+    # eager rows of every method but the last (recall off), so a failing capture costs no eager row of the others.
+    methods = a.methods.split(",")
+    eager = lambda ms: [(n_audio, n_req, m, path) for m in ms for n_audio, n_req in audio]  # noqa: E731
+    jobs = eager(methods[:-1])
+    if not a.smoke:
+        jobs += [(n_audio, n_req, m, {}) for m in a.graph_methods.split(",") if m for n_audio, n_req in audio]
+    jobs += eager(methods[-1:])
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    backbones: dict = {}
+    for n_audio, n_req, method, job_path in jobs:
+        graph = job_path.get("graph", True) and not a.smoke
+        if not a.smoke and time.perf_counter() - t_start > a.deadline_s:
+            rows.append(dict(kind="throughput", method=method, audio_tokens=n_audio, graph=graph,
+                             skipped=f"not started: past --deadline-s {a.deadline_s:g}", **meta))
+            continue
+        if n_audio not in backbones:
+            backbones[n_audio] = ds.make_backbone(model, n_audio)
+        bb = backbones[n_audio]
+        prompt = bb.build_prompt()
+        mean = tok_mean or int(round(n_audio / ds.TOKEN_RATE * TOKENS_PER_AUDIO_SECOND))
+        caps = lengths(n_req, mean)
+        for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
+                                                         a.prefill_chunk_layers, job_path)),
+                         ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
+                                                             a.retention, job_path))):
+            try:
+                row = fn()
+            except Exception as e:  # noqa: BLE001 - the row says what failed, the others run
+                import traceback
+                traceback.print_exc()
+                row = dict(kind=kind, method=method, audio_tokens=n_audio, error=f"{type(e).__name__}: {e}")
+            rows.append(dict(row, graph=graph, **meta))
+            print(json.dumps(rows[-1]), flush=True)
+            if out is not None:
+                out.write_text(json.dumps(rows, indent=1))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Batched, continuous decoding (issue 16): `engine.decode.decode_batch` against the bs-1 engine (`generate`).
+
+- the CPU default path (reference store and step): each sample of a batch gets bs 1's tokens, logits, accounting and
+  method decisions byte for byte, on both backbone families, for Full, Ada-KV, ArkVale and WnW;
+- the fused path over one KV pool (`BatchedFusedStep`, its kernels' PyTorch equivalents; GEMMs over the batch round
+  differently, so logits within 1e-4, tokens equal);
+- the pool is real: a pool with room for one stream decodes two one after the other with the same results, a stream
+  that cannot fit an empty pool is refused, the memory comes back when streams leave;
+- the batched Triton kernels (ragged attention over (stream, KV head) regions of a pool, RoPE + append, the whole
+  batched step) against dense references: on CUDA, else in Triton's interpreter; skipped cleanly without triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
+from wnw_exp.engine.decode import BatchStats, Request, decode_batch, generate
+from wnw_exp.kv.pool import KVPool, PoolFull
+from wnw_exp.methods import build_policy
+
+SHIPPED = Path(__file__).resolve().parents[1] / "src/wnw_exp/calibration/shipped/tiny_random.json"
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON and not HAS_CUDA and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+
+def _policy(method, backbone):
+    cfg = {"name": method, **({"head_scores": str(SHIPPED)} if method == "wnw" else {})}
+    return build_policy(cfg, dict(backbone.describe(), name="tiny_random"))
+
+
+def _backbone(family):
+    bb = (tiny_voxtral if family == "voxtral" else tiny_qwen_omni)()
+    bb.eos_token_ids = [-1]  # every sample runs to its cap: the lengths below differ, so streams leave at different steps
+    return bb
+
+
+def _prompts(bb, seconds=(14.0, 8.0, 11.0)):
+    return [bb.build_prompt(noise_audio(s, seed=i)) for i, s in enumerate(seconds)]
+
+
+CAPS = (9, 5, 7)
+
+
+def _solo_and_batched(bb, method, path, pool=None, caps=CAPS, seconds=(14.0, 8.0, 11.0), **kw):
+    r = 0.2 if method != "full" else 1.0
+    prompts = _prompts(bb, seconds)
+    solo = [generate(bb, p, _policy(method, bb), retention=r, max_new_tokens=c, keep_logits=True, **path)
+            for p, c in zip(prompts, caps)]
+    template = _policy(method, bb)
+    stats = BatchStats()
+    batched = dict(decode_batch(bb, [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, caps))], template.fork,
+                                retention=r, pool=pool, keep_logits=True, stats=stats, **path, **kw))
+    return solo, batched, stats
+
+
+@pytest.mark.parametrize("case", ["voxtral-full", "voxtral-adakv", "voxtral-arkvale", "voxtral-wnw", "qwen_omni-full",
+                                  "qwen_omni-adakv", "qwen_omni-arkvale"])
+def test_batched_reference_path_is_byte_identical_to_bs1(case):
+    family, method = case.split("-")
+    bb = _backbone(family)
+    solo, batched, stats = _solo_and_batched(bb, method, dict(store="reference"), max_concurrent=3)
+    assert stats.batch_sizes[0] == 1 and max(stats.batch_sizes) == 3  # joined one by one, then decoded together
+    for i, a in enumerate(solo):
+        b = batched[i]
+        assert b.tokens == a.tokens and b.terminated == a.terminated
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+        assert b.store_summary == a.store_summary and b.trace == a.trace
+        assert len(b.step_ms) == len(a.step_ms) == CAPS[i] - 1
+    if method != "full":
+        assert any(x.store_summary["r_gpu"] < 0.5 for x in solo)
+
+
+@pytest.mark.parametrize("case", ["voxtral-wnw", "voxtral-arkvale", "qwen_omni-full"])
+def test_batched_fused_step_on_a_pool_matches_bs1(case):
+    family, method = case.split("-")
+    bb = _backbone(family)
+    path = dict(store="packed", fused=True, kernels="torch")
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    solo, batched, stats = _solo_and_batched(bb, method, path, pool=pool)
+    assert max(stats.batch_sizes) == 3
+    for i, a in enumerate(solo):
+        b = batched[i]
+        assert b.tokens == a.tokens
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
+        assert b.store_summary == a.store_summary and b.trace == a.trace
+    if method != "full":
+        assert any(x.store_summary["mb_per_step"] > 0 for x in batched.values())  # the method really moved KV
+    assert pool.used_blocks == 0 < pool.peak_blocks  # every stream gave its extent back
+
+
+def test_a_pool_with_room_for_one_stream_runs_two_one_after_the_other():
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=True, kernels="torch")
+    big = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    _, ref, _ = _solo_and_batched(bb, "wnw", path, pool=big, caps=(6, 6), seconds=(10.0, 10.0))
+    one = big.peak_blocks // 2 + 1  # the two streams have the same size: room for one, not two
+    small = KVPool(one * big.block, bb.head_dim, bb.dtype, bb.device)
+    assert small.capacity_bytes == one * big.block * small.row_bytes  # a real allocation of that size
+    solo, got, stats = _solo_and_batched(bb, "wnw", path, pool=small, caps=(6, 6), seconds=(10.0, 10.0))
+    assert max(stats.batch_sizes) == 1 and small.n_refused >= 1  # the second waited for the first to leave
+    for i in range(2):
+        assert got[i].tokens == ref[i].tokens == solo[i].tokens
+        assert got[i].store_summary == ref[i].store_summary
+    assert small.used_blocks == 0
+
+
+def test_a_stream_that_cannot_fit_an_empty_pool_is_refused_and_the_others_run():
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=True, kernels="torch")
+    prompts = [bb.build_prompt(noise_audio(s, seed=i)) for i, s in enumerate([90.0, 30.0])]
+    solo = generate(bb, prompts[1], _policy("full", bb), retention=1.0, max_new_tokens=4, **path)
+    probe = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    list(decode_batch(bb, [Request(1, prompts[1], 4)], _policy("full", bb).fork, retention=1.0, pool=probe, **path))
+    pool = KVPool(probe.peak_blocks * probe.block, bb.head_dim, bb.dtype, bb.device)  # fits the 30 s clip only
+    stats = BatchStats()
+    out = dict(decode_batch(bb, [Request(i, p, 4) for i, p in enumerate(prompts)], _policy("full", bb).fork,
+                            retention=1.0, pool=pool, stats=stats, **path))
+    assert isinstance(out[0], PoolFull) and "MB of KV" in str(out[0]) and stats.refused == [0]
+    assert out[1].tokens == solo.tokens
+    assert pool.used_blocks == 0
+
+
+def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing():
+    bb = _backbone("voxtral")
+    solo, batched, stats = _solo_and_batched(bb, "wnw", dict(store="reference"), prefill_chunk_layers=1)
+    n_layers = bb.n_layers
+    assert len(stats.prefill_ms_between_steps) == 2 * n_layers  # two admissions while another stream decodes
+    for i, a in enumerate(solo):
+        assert batched[i].tokens == a.tokens and batched[i].trace == a.trace
+
+
+def test_a_stream_whose_step_fails_fails_alone():
+    from wnw_exp.methods.base import Policy
+
+    class FailsAtStep2(Policy):
+        def after_step(self, step):
+            if step == 2:
+                raise RuntimeError("boom")
+
+    bb = _backbone("voxtral")
+    prompts = _prompts(bb)
+    forks = iter([Policy(), FailsAtStep2(), Policy()])
+    out = dict(decode_batch(bb, [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, CAPS))], lambda: next(forks),
+                            retention=1.0, store="reference"))
+    assert isinstance(out[1], RuntimeError) and str(out[1]) == "boom"
+    for i in (0, 2):
+        assert out[i].tokens == generate(bb, prompts[i], Policy(), retention=1.0, max_new_tokens=CAPS[i],
+                                         store="reference").tokens
+
+
+def test_pool_allocator():
+    pool = KVPool(640, 8, torch.float32, "cpu", block=64)  # 10 blocks
+    assert pool.k.shape == (640, 8) and pool.capacity_bytes == 640 * 8 * 4 * 2
+    a, b, c = pool.alloc(100), pool.alloc(64), pool.alloc(250)  # 2 + 1 + 4 blocks
+    assert (a.block, b.block, c.block) == (0, 2, 3) and pool.used_blocks == 7
+    assert pool.alloc(200) is None and pool.n_refused == 1  # 3 blocks left, 4 needed
+    pool.free(b)
+    assert pool.alloc(193) is None  # 1 + 3 free blocks, not adjacent
+    pool.free(a)  # merges with b's block: 3 free at 0, 3 at 7
+    d = pool.alloc(192)
+    assert d.block == 0 and pool.peak_blocks == 7
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(a)
+    for x in (c, d):
+        pool.free(x)
+    assert pool._free == [(0, 10)] and pool.used_blocks == 0
+
+
+def test_bad_max_concurrent():
+    bb = _backbone("voxtral")
+    with pytest.raises(ValueError, match="at least 1"):
+        list(decode_batch(bb, [], _policy("full", bb).fork, retention=1.0, max_concurrent=0))
+
+
+# --- the batched Triton kernels --------------------------------------------------------------------------
+def _triton_device():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (optional `gpu` extra)")
+    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no CUDA")
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_batched_ragged_attention_kernel_matches_dense_attention(G):
+    dev = _triton_device()
+    from wnw_exp.kv.packed import attention_batched_torch, observed_probs_torch
+    from wnw_exp.kv.triton_attention import decode_attention_batched, observed_probs
+
+    torch.manual_seed(0)
+    B, H, D, C = 3, 2, 32, 2000
+    pk, pv = torch.randn(C, D) * 3, torch.randn(C, D)
+    pos = torch.full((C,), -1, dtype=torch.int32)
+    doff = torch.tensor([[0, 40], [80, 120], [160, 200]])
+    dlen = torch.tensor([5, 1, 9])
+    aoff = torch.tensor([[300, 500], [700, 900], [1100, 1300]])
+    alen = torch.tensor([[150, 0], [37, 64], [1, 190]], dtype=torch.int32)  # ragged, one head empty
+    for b in range(B):
+        for h in range(H):
+            n = int(alen[b, h])
+            p = torch.randperm(400)[:n].int()
+            p[torch.rand(n) < 0.2] = -1  # free slots inside the scanned rows: garbage keys to skip
+            pos[aoff[b, h]: aoff[b, h] + n] = p
+    q = torch.randn(B, H * G, D)
+    max_keys = int((dlen[:, None] + alen).max())
+    args = [x.to(dev) for x in (q, pk, pv, pos, doff, dlen, aoff, alen)]
+    out, lse = decode_attention_batched(*args, 0.2, max_keys=max_keys)
+    out_t, lse_t = attention_batched_torch(*args, 0.2, max_keys=max_keys)
+    tol = 5e-3 if HAS_CUDA else 1e-4  # tf32 on CUDA
+    for b in range(B):
+        for h in range(H):
+            rows = list(range(doff[b, h], doff[b, h] + dlen[b]))
+            rows += [r for r in range(aoff[b, h], aoff[b, h] + alen[b, h]) if pos[r] >= 0]
+            w = torch.softmax(q[b, h * G:(h + 1) * G] @ pk[rows].T * 0.2, -1)
+            torch.testing.assert_close(out[b, h * G:(h + 1) * G].cpu(), w @ pv[rows], atol=tol, rtol=tol)
+            torch.testing.assert_close(out_t[b, h * G:(h + 1) * G].cpu(), w @ pv[rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu(), lse_t.cpu(), atol=tol, rtol=tol)
+    obs = torch.tensor([0, H * G - 1], dtype=torch.int32, device=dev)
+    p1, p2 = torch.zeros(2, 400, device=dev), torch.zeros(2, 400, device=dev)
+    observed_probs(args[0][2], args[1], args[3], args[6][2], args[7][2], lse[2], 0.2, obs, p1, 190)
+    observed_probs_torch(args[0][2], args[1], args[3], args[6][2], args[7][2], lse_t[2], 0.2, obs, p2, 190)
+    torch.testing.assert_close(p1.cpu(), p2.cpu(), atol=tol / 10, rtol=tol)
+    assert float(p1.sum()) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="bf16 kernels on CUDA"))])
+def test_batched_step_in_triton_matches_bs1(dtype):
+    """The whole batched step with its Triton kernels (WnW: observers, recalls) against bs 1 on the same kernels (on
+    CUDA: with their CUDA graphs). bf16: the same tokens while the logits agree (near-ties may part them)."""
+    dev = _triton_device()
+    bb = _backbone("voxtral")
+    bb.model.to(dev, dtype)
+    path = dict(store="packed", fused=True, kernels="triton")
+    pool = KVPool(50_000, bb.head_dim, bb.dtype, dev)
+    caps = (4, 3) if not HAS_CUDA else (12, 9)
+    solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=caps, seconds=(8.0, 6.0))
+    assert max(stats.batch_sizes) == 2
+    # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels; bf16 rounds every GEMM
+    tol = 1e-4 if not HAS_CUDA else 5e-3 if dtype == torch.float32 else 0.1
+    for i, a in enumerate(solo):
+        b = batched[i]
+        same = next((k for k, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+        if dtype == torch.float32:
+            assert same == len(a.tokens) == len(b.tokens) and b.trace == a.trace
+        assert same >= 1
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits[:same], b.logits[:same])) < tol
+
+
+# --- wnw-run batch_size ----------------------------------------------------------------------------------
+def _run_config(tmp_path, *overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=9",
+                                           f"dataset.cache_dir={tmp_path / 'cache'}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("method", ["wnw", "arkvale"])
+def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, method):
+    from wnw_exp.engine.runner import run
+    from wnw_exp.rundir import identity_hash
+
+    cfg1 = _run_config(tmp_path, f"method={method}", "dataset.n=4")
+    cfg3 = _run_config(tmp_path, f"method={method}", "dataset.n=4", "batch_size=3")
+    assert identity_hash(cfg1) == identity_hash(cfg3)  # the same results, the same run directory
+    m1 = run(cfg1, tmp_path / "bs1", progress=False)
+    run({**cfg3, "dataset": {**cfg3["dataset"], "n": 1}}, tmp_path / "bs3", progress=False)  # a first sample, then resume
+    m3 = run(cfg3, tmp_path / "bs3", progress=False)
+    lines1 = (tmp_path / "bs1" / "predictions.jsonl").read_text().splitlines()
+    lines3 = (tmp_path / "bs3" / "predictions.jsonl").read_text().splitlines()
+    assert len(lines3) == 4 and sorted(lines3) == sorted(lines1)  # byte for byte (lines in the order samples finish)
+    timing = {"ms_per_token", "prefill_ms"}  # wall clock: a batch's step is longer than one sample's
+    assert {k: v for k, v in m3.items() if k not in timing} == {k: v for k, v in m1.items() if k not in timing}
+    for i in range(4):
+        name = f"synthetic-test-{i}.json"
+        assert (tmp_path / "bs3" / "trace" / name).read_bytes() == (tmp_path / "bs1" / "trace" / name).read_bytes()
+
+
+def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path):
+    import subprocess
+
+    from wnw_exp.engine.runner import check_config
+
+    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", "batch_size=0", f"runs_root={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["wnw-run: error: batch_size=0: the number of samples decoded together, a "
+                                       "whole number >= 1"]
+    for bad in (-2, 1.5, "4", True):
+        with pytest.raises(ValueError, match=f"^batch_size={bad!r}: the number of samples decoded together"):
+            check_config({"retention": 0.2, "batch_size": bad})
+
+
+def test_serving_benchmark_smoke(tmp_path):
+    """benchmarks/serving.py --smoke: every method's row with the issue's schema, admission within the pool, and
+    the 0.2-retention methods holding more streams than Full in the same pool."""
+    import subprocess
+
+    out = tmp_path / "serving.json"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks/serving.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    tput = {x["method"]: x for x in rows if x["kind"] == "throughput"}
+    assert set(tput) == {"full", "wnw", "adakv", "arkvale", "wnw_recall_off"}
+    schema = {"kind", "method", "retention", "audio_tokens", "kv_budget_gb", "max_concurrent", "tokens_per_s",
+              "p50_ms", "p95_ms", "h2d_gb_per_s", "date", "gpu", "command"}
+    for x in tput.values():
+        assert schema <= x.keys() and "error" not in x
+        assert x["finished"] == x["requests"] == 6 and x["refused"] == 0
+        assert x["pool_peak_gb"] <= x["pool_capacity_gb"] <= x["kv_budget_gb"]  # admission respected the pool
+        assert x["tokens_per_s"] > 0 and x["p95_ms"] >= x["p50_ms"] > 0
+    assert tput["full"]["max_concurrent"] == 2
+    assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
+    assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]
+    assert {x["method"] for x in rows if x["kind"] == "latency_bs1"} == set(tput)

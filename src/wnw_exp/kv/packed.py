@@ -21,7 +21,7 @@ some heads (WnW's anchors) keep all their audio.
 Moves: `recall` / `release` mark (row, position) pairs in two device masks (a fixed-shape `select` mask lets a
 device-side method queue without a host read). `flush` applies them, on the heads that can move (those with a
 host copy): recalls first, each head's recalled positions (ascending) into its free slots (lowest first), then
-releases free their slots. With `kernels="triton"` one kernel does it (kv/triton_moves.py), the GPU reading the
+releases free their slots. With `kernels="triton"` two kernels do it (kv/triton_moves.py), the GPU reading the
 recalled K/V from the pinned host mirror itself (zero-copy over PCIe, no host involvement: graph-safe); with
 `kernels="torch"` fixed-shape PyTorch ops do it (the specification), the host copying the recalled rows (not
 graph-safe). A recall that does not fit a head's free slots

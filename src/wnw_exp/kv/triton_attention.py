@@ -175,7 +175,7 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
 @triton.jit
 def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, aoff_ptr, alen_ptr, po_ptr, plse_ptr,
                             scale, N_SPLITS, TILES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            D: tl.constexpr, BLOCK: tl.constexpr):
+                            D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
     # TILES is a runtime argument here (a constexpr in `_partial_kernel`): the batch's key bound changes whenever a
     # stream joins or leaves, and a constexpr would compile the kernel again for each new value.
     bh = tl.program_id(0)  # stream * H + KV head
@@ -204,13 +204,13 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, ao
         ok = in_d | in_a
         k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m = m_new
     out = acc / tl.maximum(lsum, 1e-30)[:, None]
     lse = tl.where(lsum > 0, m + tl.log(tl.maximum(lsum, 1e-30)), float("-inf"))
@@ -243,7 +243,7 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
     _batched_partial_kernel[(B * H, n_splits)](
         q.contiguous(), pool_k, pool_v, pool_pos, dense_off, dense_len, audio_off, audio_len, s["po"], s["plse"],
         scale, n_splits, tiles, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
-        num_stages=3 if pool_k.element_size() <= 2 else 1)
+        PRECISION="ieee" if pool_k.dtype == torch.float32 else "tf32", num_stages=3 if pool_k.element_size() <= 2 else 1)
     _combine_kernel[(B * H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                                 NS_PAD=max(2, triton.next_power_of_2(n_splits)))
     return out, s["lse"]

@@ -287,27 +287,37 @@ def runner_row(bb, policy, retention: float, steps: int) -> dict:
 
 
 def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15) -> dict:
-    """Where a step's device time goes: the fused step run eagerly (a graph hides its kernels from the profiler)
-    under torch.profiler, the `top` kernels by total device time, per step (us), with their launches per step."""
+    """Where a decode step's device time goes: the fused step run eagerly (a graph hides its kernels from the
+    profiler) under torch.profiler, once for `steps` answer tokens and once for the prefill alone; the difference
+    per kernel over `steps`: the `top` kernels by device time per step (us), with their launches per step."""
+    import copy
+
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import generate
 
     policy.check(retention)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
-    with profile(activities=acts) as prof:
-        generate(bb, prompt, policy, retention=retention, max_new_tokens=steps + 1, **{**FAST, "graph": False})
-    _sync()
     dev = "cuda" if _cuda() else "cpu"
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
-        if t > 0:
-            rows.append((t, e.key, e.count))
-    rows.sort(reverse=True)
-    total = sum(t for t, _, _ in rows)
-    return dict(steps=steps, note="eager fused step, prefill included; us per decode step",
-                device_us_per_step=round(total / steps, 1),
+
+    def kernels(n_new: int) -> dict:
+        with profile(activities=acts) as prof:
+            generate(bb, prompt, copy.deepcopy(policy), retention=retention, max_new_tokens=n_new,
+                     **{**FAST, "graph": False})
+            _sync()
+        out = {}
+        for e in prof.key_averages():
+            t = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
+            if t > 0:
+                out[e.key] = (t, e.count)
+        return out
+
+    kernels(2)  # warm: compilation and allocation stay out of both runs
+    base, run = kernels(1), kernels(steps + 1)
+    rows = sorted(((t - base.get(k, (0, 0))[0], k, c - base.get(k, (0, 0))[1]) for k, (t, c) in run.items()),
+                  reverse=True)
+    return dict(steps=steps, note="eager fused step, decode only (a prefill-only run subtracted); us per step",
+                device_us_per_step=round(sum(t for t, _, _ in rows) / steps, 1),
                 top=[dict(kernel=k[:90], us_per_step=round(t / steps, 1), launches_per_step=round(c / steps, 2))
                      for t, k, c in rows[:top]])
 

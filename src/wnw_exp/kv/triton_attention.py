@@ -28,6 +28,13 @@ import triton.language as tl
 BLOCK_N = 64
 
 
+def dot_precision(dtype: torch.dtype, head_dim: int) -> str:
+    """tl.dot's input precision: fp32 stays fp32 ("ieee"; the default TF32 put the packed store 5e-3 off the
+    reference on an H200), except below a head_dim of 16, under the smallest K an IEEE fp32 dot compiles for on
+    Hopper (only tiny test models); bf16/fp16 ignore it."""
+    return "ieee" if dtype == torch.float32 and head_dim >= 16 else "tf32"
+
+
 @triton.jit
 def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, alen_ptr, apos_ptr,
                     po_ptr, plse_ptr, scale,
@@ -157,8 +164,7 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
         audio_pos if audio_pos is not None else audio_len, s["po"], s["plse"], scale,
         dense_k.stride(0), dense_k.stride(1), audio_k.stride(0), n_splits,
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, TILES=tiles, HAS_POS=audio_pos is not None,
-        # fp32 stays fp32 (tl.dot would round fp32 inputs to TF32: 5e-3 off the reference on an H200)
-        PRECISION="ieee" if dense_k.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(dense_k.dtype, D),
         num_stages=3 if dense_k.element_size() <= 2 else 1)  # fp32 tiles of 3 stages overflow shared memory
     _combine_kernel[(H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                             NS_PAD=max(2, triton.next_power_of_2(n_splits)))
@@ -243,7 +249,7 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
     _batched_partial_kernel[(B * H, n_splits)](
         q.contiguous(), pool_k, pool_v, pool_pos, dense_off, dense_len, audio_off, audio_len, s["po"], s["plse"],
         scale, n_splits, tiles, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
-        PRECISION="ieee" if pool_k.dtype == torch.float32 else "tf32", num_stages=3 if pool_k.element_size() <= 2 else 1)
+        PRECISION=dot_precision(pool_k.dtype, D), num_stages=3 if pool_k.element_size() <= 2 else 1)
     _combine_kernel[(B * H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                                 NS_PAD=max(2, triton.next_power_of_2(n_splits)))
     return out, s["lse"]

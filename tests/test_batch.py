@@ -193,16 +193,18 @@ def _triton_device():
 
 @pytest.mark.parametrize("G", [1, 4])
 def test_batched_ragged_attention_kernel_matches_dense_attention(G):
+    """The batched kernel reads each (stream, KV head)'s dense tokens through its page table (pages scattered over
+    the pool, in no order, a dense length spanning several pages and ending inside one) and its audio slots."""
     dev = _triton_device()
     from wnw_exp.kv.packed import attention_batched_torch, observed_probs_torch
     from wnw_exp.kv.triton_attention import decode_attention_batched, observed_probs
 
     torch.manual_seed(0)
-    B, H, D, C = 3, 2, 32, 2000
+    B, H, D, C, page = 3, 2, 32, 2000, 4
     pk, pv = torch.randn(C, D) * 3, torch.randn(C, D)
     pos = torch.full((C,), -1, dtype=torch.int32)
-    doff = torch.tensor([[0, 40], [80, 120], [160, 200]])
-    dlen = torch.tensor([5, 1, 9])
+    table = (torch.randperm(75)[: B * H * 4].view(B, H, 4) * page).int()  # 4 pages each in rows [0, 300)
+    dlen = torch.tensor([5, 1, 13])
     aoff = torch.tensor([[300, 500], [700, 900], [1100, 1300]])
     alen = torch.tensor([[150, 0], [37, 64], [1, 190]], dtype=torch.int32)  # ragged, one head empty
     for b in range(B):
@@ -213,13 +215,13 @@ def test_batched_ragged_attention_kernel_matches_dense_attention(G):
             pos[aoff[b, h]: aoff[b, h] + n] = p
     q = torch.randn(B, H * G, D)
     max_keys = int((dlen[:, None] + alen).max())
-    args = [x.to(dev) for x in (q, pk, pv, pos, doff, dlen, aoff, alen)]
-    out, lse = decode_attention_batched(*args, 0.2, max_keys=max_keys)
-    out_t, lse_t = attention_batched_torch(*args, 0.2, max_keys=max_keys)
+    args = [x.to(dev) for x in (q, pk, pv, pos, table, dlen, aoff, alen)]
+    out, lse = decode_attention_batched(*args, 0.2, max_keys=max_keys, page_rows=page)
+    out_t, lse_t = attention_batched_torch(*args, 0.2, max_keys=max_keys, page_rows=page)
     tol = 5e-3 if HAS_CUDA else 1e-4  # tf32 on CUDA
     for b in range(B):
         for h in range(H):
-            rows = list(range(doff[b, h], doff[b, h] + dlen[b]))
+            rows = [int(table[b, h, i // page]) + i % page for i in range(dlen[b])]
             rows += [r for r in range(aoff[b, h], aoff[b, h] + alen[b, h]) if pos[r] >= 0]
             w = torch.softmax(q[b, h * G:(h + 1) * G] @ pk[rows].T * 0.2, -1)
             torch.testing.assert_close(out[b, h * G:(h + 1) * G].cpu(), w @ pv[rows], atol=tol, rtol=tol)
@@ -231,6 +233,38 @@ def test_batched_ragged_attention_kernel_matches_dense_attention(G):
     observed_probs_torch(args[0][2], args[1], args[3], args[6][2], args[7][2], lse_t[2], 0.2, obs, p2, 190)
     torch.testing.assert_close(p1.cpu(), p2.cpu(), atol=tol / 10, rtol=tol)
     assert float(p1.sum()) > 0
+
+
+def test_batched_rope_append_writes_through_the_page_table():
+    """RoPE + append of a batch (the Triton kernel where installed, and its PyTorch equivalent): each stream's new
+    key and value land at its dense token dense_len[b] of its page table, nowhere else."""
+    from wnw_exp.engine.step import rope_append_batched_torch
+
+    torch.manual_seed(1)
+    B, HQ, H, D, C, page, T = 2, 4, 2, 16, 200, 4, 10
+    qkv = torch.randn(B, (HQ + 2 * H) * D)
+    cos, sin = torch.randn(B, T, D), torch.randn(B, T, D)
+    t, dlen = torch.tensor([3, 7]), torch.tensor([5, 8])  # token 5: page 1, row 1; token 8: page 2, row 0
+    table = (torch.randperm(C // page)[: B * H * 3].view(B, H, 3) * page).int()
+    impls = [rope_append_batched_torch]
+    if HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"):
+        from wnw_exp.engine.triton_ops import rope_append_batched
+        impls.append(rope_append_batched)
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    got = []
+    for fn in impls:
+        pk, pv, q = torch.zeros(C, D, device=dev), torch.zeros(C, D, device=dev), torch.empty(B, HQ, D, device=dev)
+        fn(*(x.to(dev) for x in (qkv, cos, sin, t, dlen, table)), q, pk, pv, HQ, H, D, page_rows=page)
+        got.append((q.cpu(), pk.cpu(), pv.cpu()))
+        x = qkv.view(B, HQ + 2 * H, D)
+        for b in range(B):
+            rows = [int(table[b, h, dlen[b] // page]) + int(dlen[b]) % page for h in range(H)]
+            torch.testing.assert_close(pv[rows].cpu(), x[b, HQ + H:])
+            assert int((pk.cpu().abs().sum(1) > 0).sum()) == B * H  # one row per (stream, KV head), nowhere else
+    for q2, k2, v2 in got[1:]:
+        torch.testing.assert_close(q2, got[0][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(k2, got[0][1], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v2, got[0][2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(

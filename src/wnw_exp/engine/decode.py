@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
+from collections import deque
 from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -103,8 +104,10 @@ class Stream:
     """
 
     def __init__(self, backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
-                 path: DecodePath, keep_logits: bool = False, pool=None, key=None):
+                 path: DecodePath, keep_logits: bool = False, pool=None, key=None,
+                 expected_new_tokens: int | None = None):
         self.backbone, self.prompt, self.policy, self.path, self.key = backbone, prompt, policy, path, key
+        self.request = None  # the `Request` it decodes, in a batch (preemption puts it back in the queue)
         self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
         dev = backbone.device
         total = prompt.input_ids.shape[1] + max_new_tokens
@@ -118,7 +121,8 @@ class Stream:
             from wnw_exp.kv.packed import PackedAudioKVStore
 
             self.store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
-                                            max_new_tokens + 1, kernels=path.kernels, pool=pool)
+                                            max_new_tokens + 1, kernels=path.kernels, pool=pool,
+                                            expected_new_tokens=expected_new_tokens)
         else:
             if pool is not None:
                 raise ValueError("a KV pool is the packed store's (store=packed)")
@@ -163,11 +167,14 @@ class Stream:
             t0 = time.perf_counter()
         self._last_hidden = hidden[:, -1:]
 
-    def finish_prefill(self) -> None:
-        """The store's compaction (frees the dropped rows; may raise PoolFull), the decisions in force at decode
-        step 0, the first token's logits."""
+    def finish_prefill(self, reserve_blocks: int = 0) -> None:
+        """The store's compaction (frees the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept
+        free), the decisions in force at decode step 0, the first token's logits."""
         t0 = time.perf_counter()
-        self.store.compact(headroom=self.policy.recall_headroom)
+        if reserve_blocks:
+            self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)
+        else:
+            self.store.compact(headroom=self.policy.recall_headroom)
         self.policy.after_prefill()
         self.store.flush()  # decisions made at prefill are in force at decode step 0
         bb = self.backbone
@@ -302,6 +309,28 @@ class Request:
     key: object
     prompt: Prompt
     max_new_tokens: int
+    expected_new_tokens: int | None = None  # the answer admission expects (None: see `decode_batch`'s reserve_tokens)
+
+
+EXPECTED_ANSWER_FRACTION = 0.6  # of the length cap: 3 tokens a second of audio where the cap allows 5 (conf/model)
+
+
+def expected_new_tokens(req: Request, reserve_tokens: int | float | None = None) -> int:
+    """The tokens a request is expected to generate, what admission keeps pool room for: `reserve_tokens` tokens
+    (an int), that fraction of its cap (a float in [0, 1]), or (None) its `expected_new_tokens` where set, else
+    `EXPECTED_ANSWER_FRACTION` of its cap; never more than its cap."""
+    cap = req.max_new_tokens
+    if reserve_tokens is None:
+        if req.expected_new_tokens is not None:
+            return max(0, min(int(req.expected_new_tokens), cap))
+        return int(math.ceil(EXPECTED_ANSWER_FRACTION * cap))
+    if isinstance(reserve_tokens, float):
+        if not 0.0 <= reserve_tokens <= 1.0:
+            raise ValueError(f"reserve_tokens={reserve_tokens!r}: a float is a fraction of the cap, in [0, 1]")
+        return int(math.ceil(reserve_tokens * cap))
+    if int(reserve_tokens) < 0:
+        raise ValueError(f"reserve_tokens={reserve_tokens!r}: at least 0 tokens")
+    return min(int(reserve_tokens), cap)
 
 
 @dataclass
@@ -313,6 +342,7 @@ class BatchStats:
     step_ms: list[float] = field(default_factory=list)
     prefill_ms_between_steps: list[float] = field(default_factory=list)
     refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
+    preempted: list = field(default_factory=list)  # keys of the streams preempted (restarted later), in order
     joined_at: dict = field(default_factory=dict)  # key -> the decode step (index into batch_sizes) it first ran in
     emitted_at: dict = field(default_factory=dict)  # key -> its tokens' perf_counter() times
 
@@ -321,17 +351,26 @@ class BatchStats:
 def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
                  retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
                  store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
-                 prefill_chunk_layers: int | None = None, stats: BatchStats | None = None
-                 ) -> Iterator[tuple[object, DecodeResult | Exception]]:
+                 prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
+                 reserve_tokens: int | float | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
     """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
     (or (key, exception) for one that failed), in the order they finish.
 
     A request joins when fewer than `max_concurrent` streams run (None: no limit but the pool's) and, with a
-    `pool` (`kv.pool.KVPool`, the packed store's), when the pool has a free extent for its placed KV and all it can
-    grow to (its dense part for every token it may generate, each head's recall room): otherwise it waits, its
-    prefill done, until a stream leaves and frees its extent; one that cannot fit an empty pool is refused
-    (`PoolFull` as its result). Prefill runs `prefill_chunk_layers` layers between two decode steps (None: a whole
-    prefill at once), so an admission does not stall the running streams for a whole prefill.
+    `pool` (`kv.pool.KVPool`, the packed store's), when the pool has room for its placed KV (one extent for each
+    head's resident audio and recall room, dense pages for its prompt's text) and its expected growth, besides the
+    expected growth still to come of the running streams: the dense pages of `expected_new_tokens(request,
+    reserve_tokens)` tokens (by default its `expected_new_tokens`, else 0.6 of its cap). Otherwise it waits, its
+    prefill done, until a stream leaves; alone, it joins when its placed KV fits. One that cannot fit an empty pool
+    is refused (`PoolFull` as its result). A running stream's dense part grows a page (one pool block per layer and
+    KV head) whenever its last page is full; where the pool has no free block for it, the most recently admitted
+    stream is preempted (vLLM's recompute preemption: all its memory freed, its request back at the head of the
+    queue, restarted from scratch later; decoding is deterministic, so its result is the same): a newer stream than
+    the one asking when there is one, the one asking itself when it is the newest, so the oldest stream always
+    goes on. A stream that needs a page when it runs alone fails (`PoolFull`: the pool cannot hold its answer),
+    alone. `stats.preempted` records the preemptions. Prefill runs `prefill_chunk_layers` layers between two
+    decode steps (None: a whole prefill at once), so an admission does not stall the running streams for a whole
+    prefill.
 
     Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
     result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
@@ -345,6 +384,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     if limit < 1:
         raise ValueError(f"max_concurrent={max_concurrent!r}: at least 1 stream")
     pending = iter(requests)
+    queue: deque = deque()  # preempted requests, to run again before the new ones
     exhausted = False
     active: list[Stream] = []
     admitting: tuple[Stream, Iterator] | None = None
@@ -352,8 +392,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
     while True:
-        if admitting is None and not exhausted and len(active) < limit:
-            req = next(pending, None)
+        if admitting is None and (queue or not exhausted) and len(active) < limit:
+            req = queue.popleft() if queue else next(pending, None)
             if req is None:
                 exhausted = True
             else:
@@ -362,7 +402,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     path = decode_path(dev, policy, store, fused, graph, kernels)
                     st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
                                 path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
-                                key=req.key)
+                                key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens))
+                    st.request = req
                     admitting = (st, st.prefill_layers())
                 except Exception as e:  # noqa: BLE001 - one request's failure is its own
                     yield req.key, e
@@ -392,9 +433,22 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 _leave(st)
                 yield st.key, e
         if not active:
-            if admitting is None and exhausted:
+            if admitting is None and exhausted and not queue:
                 return
             continue
+        preempted, failed_growth = _grow_dense(active)
+        for st in preempted:  # newest first: the oldest ends at the head of the queue
+            _leave(st)
+            stats.preempted.append(st.key)
+            queue.appendleft(st.request)
+        for st, e in failed_growth:
+            _leave(st)
+            yield st.key, e
+        if preempted or failed_growth:
+            batched.clear()
+            waiting_for_room = False
+            if not active:
+                continue
         t0 = time.perf_counter()
         try:
             tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
@@ -449,12 +503,17 @@ def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
 
 def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
     """Place a prefilled stream's KV (in its pool, if any) and emit its first token. True: it joins the batch;
-    False: it is already done (its first token ended it); None: the pool lacks room now (retry after a stream
-    leaves). A stream that cannot fit an empty pool raises PoolFull."""
+    False: it is already done (its first token ended it); None: the pool lacks room now for its placed KV and the
+    expected growth of it and of the running streams (retry after a stream leaves). A stream that cannot fit an
+    empty pool raises PoolFull."""
     from wnw_exp.kv.pool import PoolFull
 
+    reserve = 0
+    if active and getattr(st.store, "pool", None) is not None:  # alone, it joins when its placed KV fits
+        reserve = st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active
+                                                 if getattr(o.store, "pool", None) is not None)
     try:
-        st.finish_prefill()
+        st.finish_prefill(reserve)
     except PoolFull:
         if not active:
             stats.refused.append(st.key)
@@ -463,6 +522,34 @@ def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
     if st.path.store != "packed" or st.store.pool is None or not st.path.fused:
         st.make_step()
     return st.emit(st.next_token, st.logits)
+
+
+def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, Exception]]]:
+    """Before a step: every pooled stream's dense page for the token it appends, oldest stream first. Where the
+    pool has no free block, the newest stream is preempted (possibly the one asking, if it is the newest); a stream
+    alone fails. Removes them from `active`; returns (preempted, newest first; [(failed, its error)])."""
+    from wnw_exp.kv.pool import PoolFull
+
+    preempted, failed = [], []
+    i = 0
+    while i < len(active):
+        st = active[i]
+        store = st.store
+        if getattr(store, "pool", None) is None or store.ensure_dense(store.n_text + st.index + 1):
+            i += 1
+            continue
+        if len(active) == 1:
+            pool = store.pool
+            rb = pool.block * pool.row_bytes
+            failed.append((st, PoolFull(
+                f"the KV pool cannot hold this stream's answer: at its generated token {st.index + 1} of at most "
+                f"{st.max_new_tokens} it needs another dense page ({store.n_rows} blocks, {store.n_rows * rb / 1e6:.2f} "
+                f"MB) and no other stream is left to preempt; it holds {store.pool_blocks() * rb / 1e6:.2f} MB of "
+                f"the pool's {pool.capacity_bytes / 1e6:.2f} MB")))
+            active.pop(i)
+            continue
+        preempted.append(active.pop())  # the newest (st itself when it is the newest: then the loop ends)
+    return preempted, failed
 
 
 def _leave(st: Stream) -> None:

@@ -75,6 +75,8 @@ class FusedStep:
 
     def __init__(self, backbone, store, policy, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "triton"):
         self.store, self.policy = store, policy
+        if getattr(store, "pool", None) is not None:
+            raise ValueError("FusedStep runs on a store with its own dense buffers; a pooled store's is BatchedFusedStep")
         self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
         self.layers = backbone.fused_layers()
         self.add_rmsnorm, self.rope_append, self.silu_mul = _ops(kernels)
@@ -170,17 +172,19 @@ class BatchedFusedStep:
         self.sin = torch.zeros(B, T, self.d, device=dev, dtype=dt)
         for b, st in enumerate(self.streams):
             self.cos[b, : st.cos.shape[0]], self.sin[b, : st.sin.shape[0]] = st.cos, st.sin
-        # Pool rows of each (layer, stream, KV head): its dense row 0 and its first audio slot (fixed once placed).
-        dense_off, audio_off = np.zeros((L, B, H), np.int64), np.zeros((L, B, H), np.int64)
+        # Each (layer, stream, KV head)'s first audio slot (fixed once placed) and its dense page table: the pool
+        # row of each page of its dense tokens (`table`, gathered from the stores' own tables at every step, so a
+        # page a store is given between two steps, or two graph replays, is read by the next one).
+        audio_off = np.zeros((L, B, H), np.int64)
         self.max_keys = [0] * L
+        self.page = self.pool.block
+        P = max(s.dense_table.shape[1] for s in stores)
+        self.table = torch.zeros(L, B, H, P, device=dev, dtype=torch.int32)
         for b, s in enumerate(stores):
-            cd = s.dense_k.shape[2]
             for li in range(L):
                 rows = np.arange(li * H, (li + 1) * H)
-                dense_off[li, b] = s.dense_row0 + rows * cd
                 audio_off[li, b] = s.audio_row0 + s.base[rows]
-                self.max_keys[li] = max(self.max_keys[li], cd + int(s.caps[rows].max()))
-        self.dense_off = torch.as_tensor(dense_off, device=dev)
+                self.max_keys[li] = max(self.max_keys[li], s.dense_rows_max + int(s.caps[rows].max()))
         self.audio_off = torch.as_tensor(audio_off, device=dev)
         self.dense_len = torch.zeros(B, device=dev, dtype=torch.long)
         self.audio_len = torch.zeros(L, B, H, device=dev, dtype=torch.int32)
@@ -197,21 +201,24 @@ class BatchedFusedStep:
     def body(self) -> None:
         stores = [st.store for st in self.streams]
         torch.cat([s.dense_len for s in stores], out=self.dense_len)  # where each stream's new key goes
+        L, H = len(self.layers), self.n_kv
+        for b, s in enumerate(stores):  # the page tables as they are now (B small copies, graph-safe)
+            self.table[:, b, :, : s.dense_table.shape[1]].copy_(s.dense_table.view(L, H, -1))
         torch.index_select(self.embed, 0, self.tok.view(-1), out=self.hidden)
         dense_next = self.dense_len + 1
         pool, delta = self.pool, None
         for li, w in enumerate(self.layers):
             self.add_rmsnorm(self.hidden, delta, w.ln1, w.eps, self.normed)
             qkv = F.linear(self.normed, w.w_qkv, w.b_qkv)
-            self.rope_append(qkv, self.cos, self.sin, self.t, self.dense_len, self.dense_off[li], self.q, pool.k,
-                             pool.v, self.n_q, self.n_kv, self.d)
+            self.rope_append(qkv, self.cos, self.sin, self.t, self.dense_len, self.table[li], self.q, pool.k,
+                             pool.v, self.n_q, self.n_kv, self.d, page_rows=self.page)
             for b, st in enumerate(self.streams):
                 st.policy.before_attention(li, self.q[b])
             alen = self.audio_len[li]
             torch.stack([s.audio_len[li] for s in stores], out=alen)  # after any move a method made for this layer
-            out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, self.dense_off[li], dense_next,
+            out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, self.table[li], dense_next,
                                       self.audio_off[li], alen, w.scale, max_keys=self.max_keys[li],
-                                      scratch=self._scratch[li])
+                                      page_rows=self.page, scratch=self._scratch[li])
             for b, heads, probs in self.observe[li]:
                 self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
                            probs, stores[b]._max_cap)
@@ -274,9 +281,10 @@ def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope_append_batched_torch(qkv, cos_table, sin_table, t, dense_len, dense_off, q_out, pool_k, pool_v, n_q, n_kv,
-                              head_dim):
-    """`triton_ops.rope_append_batched` in PyTorch: each stream's RoPE row t[b], its k/v written into the pool."""
+def rope_append_batched_torch(qkv, cos_table, sin_table, t, dense_len, dense_table, q_out, pool_k, pool_v, n_q, n_kv,
+                              head_dim, *, page_rows):
+    """`triton_ops.rope_append_batched` in PyTorch: each stream's RoPE row t[b], its k/v written into the pool at
+    its dense token dense_len[b], through its page table dense_table (B, H_kv, pages) of `page_rows`-row pages."""
     B = qkv.shape[0]
     x = qkv.view(B, n_q + 2 * n_kv, head_dim)
     qk = x[:, : n_q + n_kv]
@@ -286,7 +294,9 @@ def rope_append_batched_torch(qkv, cos_table, sin_table, t, dense_len, dense_off
     rot = torch.cat([-qk[..., h:], qk[..., :h]], dim=-1)
     y = qk * cos + rot * sin
     q_out.copy_(y[:, :n_q])
-    rows = (dense_off + dense_len.view(B, 1)).reshape(-1)
+    n = dense_len.view(B, 1, 1)
+    rows = (torch.gather(dense_table.long(), 2, (n // page_rows).expand(B, n_kv, 1))[..., 0]
+            + (n % page_rows).view(B, 1)).reshape(-1)
     pool_k.index_copy_(0, rows, y[:, n_q:].reshape(-1, head_dim))
     pool_v.index_copy_(0, rows, x[:, n_q + n_kv:].reshape(-1, head_dim))
     return q_out

@@ -104,8 +104,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, doff_ptr, q_out_ptr, k_ptr, v_ptr,
-                                T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, bt_ptr, q_out_ptr, k_ptr, v_ptr,
+                                T, N_PAGES, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                                PAGE: tl.constexpr):
     i = tl.program_id(0)  # stream b's head row j of the fused projection: q heads, then k heads, then v heads
     b = i // (HQ + 2 * HKV)
     j = i % (HQ + 2 * HKV)
@@ -126,21 +127,24 @@ def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, doff
         if j < HQ:
             tl.store(q_out_ptr + (b.to(tl.int64) * HQ + j) * D + cols, y)
         else:
-            dst = tl.load(doff_ptr + b * HKV + (j - HQ)).to(tl.int64) + n
+            bt = bt_ptr + (b * HKV + (j - HQ)).to(tl.int64) * N_PAGES
+            dst = tl.load(bt + n // PAGE).to(tl.int64) + n % PAGE
             tl.store(k_ptr + dst * D + cols, y)
     else:
-        dst = tl.load(doff_ptr + b * HKV + (j - HQ - HKV)).to(tl.int64) + n
+        bt = bt_ptr + (b * HKV + (j - HQ - HKV)).to(tl.int64) * N_PAGES
+        dst = tl.load(bt + n // PAGE).to(tl.int64) + n % PAGE
         tl.store(v_ptr + dst * D + cols, x)
 
 
 def rope_append_batched(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, t: torch.Tensor,
-                        dense_len: torch.Tensor, dense_off: torch.Tensor, q_out: torch.Tensor, pool_k: torch.Tensor,
-                        pool_v: torch.Tensor, n_q: int, n_kv: int, head_dim: int) -> torch.Tensor:
+                        dense_len: torch.Tensor, dense_table: torch.Tensor, q_out: torch.Tensor, pool_k: torch.Tensor,
+                        pool_v: torch.Tensor, n_q: int, n_kv: int, head_dim: int, *, page_rows: int) -> torch.Tensor:
     """B streams: qkv (B, (n_q + 2 n_kv) * D) -> q_out (B, n_q, D) after RoPE (stream b at row t[b] of its table,
-    cos_table (B, T, D)); RoPE'd k and v into the pool rows dense_off[b, h] + dense_len[b]."""
+    cos_table (B, T, D)); RoPE'd k and v into the pool at stream b's dense token n = dense_len[b], through its
+    page table: row dense_table[b, h, n // page_rows] + n % page_rows (dense_table (B, n_kv, pages) int32)."""
     B = qkv.shape[0]
-    assert cos_table.is_contiguous() and sin_table.is_contiguous() and dense_off.is_contiguous()
-    _rope_append_batched_kernel[(B * (n_q + 2 * n_kv),)](qkv, cos_table, sin_table, t, dense_len, dense_off, q_out,
-                                                         pool_k, pool_v, cos_table.shape[1], HQ=n_q, HKV=n_kv,
-                                                         D=head_dim)
+    assert cos_table.is_contiguous() and sin_table.is_contiguous() and dense_table.is_contiguous()
+    _rope_append_batched_kernel[(B * (n_q + 2 * n_kv),)](qkv, cos_table, sin_table, t, dense_len, dense_table, q_out,
+                                                         pool_k, pool_v, cos_table.shape[1], dense_table.shape[2],
+                                                         HQ=n_q, HKV=n_kv, D=head_dim, PAGE=int(page_rows))
     return q_out

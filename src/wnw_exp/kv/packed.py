@@ -56,13 +56,17 @@ class PackedAudioKVStore(StepAccounting):
     queues_moves = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
-                 dtype: torch.dtype, dense_capacity: int, kernels: str = "auto", pool: KVPool | None = None):
+                 dtype: torch.dtype, dense_capacity: int, kernels: str = "auto", pool: KVPool | None = None,
+                 expected_new_tokens: int | None = None):
         """`kernels`: "triton" (attention: kv/triton_attention.py; flush and zero-copy recall: kv/triton_moves.py;
         on CUDA, or in Triton's interpreter on a CPU), "torch" (`attention_torch` and the PyTorch flush, their
         specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch).
-        `pool`: a `KVPool` shared by the streams of a batch; `compact` then places the dense part (with room for
-        `dense_capacity` tokens) and every head's region in one extent of it (`PoolFull` where it lacks the
-        room), and `release_memory` gives the extent back. Without a pool the store allocates its own."""
+        `pool`: a `KVPool` shared by the streams of a batch; `compact` then places every head's audio region in one
+        extent of it and the prompt's text in dense pages (`PoolFull` where it lacks the room), the generated
+        tokens' dense rows come in pages as they are needed (`ensure_dense`), and `release_memory` gives it all back.
+        `expected_new_tokens` (pool only): the dense growth admission counts on (`outstanding_blocks`; None: every
+        token of `dense_capacity`). Without a pool the store allocates its own (its dense part for `dense_capacity`
+        tokens at once)."""
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
         if kernels == "auto":
@@ -76,6 +80,14 @@ class PackedAudioKVStore(StepAccounting):
         R = L * H
         self.n_rows = R
         self.pool, self.extent = pool, None
+        # Pool only: the dense part in pages of `page` rows, one pool block per (layer, KV head) each;
+        # dense_table[row, p] = the pool row of that row's dense token p * page (fixed shape, updated in place).
+        self.page = pool.block if pool is not None else 0
+        self.expected_new_tokens = dense_capacity if expected_new_tokens is None else min(expected_new_tokens,
+                                                                                            dense_capacity)
+        self._pages: list[list] = []  # per page index: its L * H_kv blocks (`kv.pool.Extent`)
+        self.dense_table: torch.Tensor | None = None
+        self.n_text = 0  # the prompt's non-audio tokens
         self.caps = np.full(R, N, np.int64)  # slots each row owns (host: the layout only changes in compact)
         self._set_layout()
         self.audio_k = torch.empty(R * N, D, device=dev, dtype=dtype)
@@ -121,8 +133,9 @@ class PackedAudioKVStore(StepAccounting):
         H, D, N = self.n_kv_heads, self.head_dim, self.n_audio
         dk = torch.cat([k[:, :s], k[:, e:]], dim=1)
         if self.dense_k is None:
-            n = dk.shape[1]
-            self.dense_k = torch.empty(self.n_layers, H, n + self.dense_capacity, D, device=self.device, dtype=self.dtype)
+            n = self.n_text = dk.shape[1]
+            room = 0 if self.pool is not None else self.dense_capacity  # in a pool the generated rows come in pages
+            self.dense_k = torch.empty(self.n_layers, H, n + room, D, device=self.device, dtype=self.dtype)
             self.dense_v = torch.empty_like(self.dense_k)
             self._dense_n = n
             self.dense_len.fill_(n)
@@ -161,10 +174,12 @@ class PackedAudioKVStore(StepAccounting):
         self._union = None
         self._blocks = None
 
-    def compact(self, headroom: int | np.ndarray = 0) -> None:
+    def compact(self, headroom: int | np.ndarray = 0, reserve_blocks: int = 0) -> None:
         """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory).
         `headroom`: one count for every head, or one per row (L * H_kv,) = layer * H_kv + head (WnW sizes each
-        tidal head's room by what its recalls can hold at once). A recall past a head's room raises."""
+        tidal head's room by what its recalls can hold at once). A recall past a head's room raises.
+        `reserve_blocks` (pool only): blocks that must stay free besides what the placement takes (admission by
+        expected growth: this stream's and the running streams' expected dense pages), else `PoolFull`."""
         headroom = np.asarray(headroom, np.int64)
         if headroom.ndim and headroom.shape != self.caps.shape:
             raise ValueError(f"compact: headroom has shape {headroom.shape}, expected () or {self.caps.shape}")
@@ -172,7 +187,7 @@ class PackedAudioKVStore(StepAccounting):
         recallable = self.on_host.any(dim=1).cpu().numpy()  # heads that never recall (anchors, fixed) need no room
         new_caps = np.minimum(self.n_audio, n_res + np.where(recallable, headroom, 0))
         if self.pool is not None:
-            self._into_pool(new_caps)
+            self._into_pool(new_caps, reserve_blocks)
         elif not np.array_equal(new_caps, self.caps):
             keep = torch.as_tensor(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]),
                                    device=self.device)
@@ -189,45 +204,103 @@ class PackedAudioKVStore(StepAccounting):
             self._probe_zero_copy()
 
     def rows_needed(self, caps: np.ndarray) -> int:
-        """K/V rows of a stream in a pool: the dense part (prompt text + `dense_capacity`) and the audio regions."""
-        return int(self.dense_k[0].numel() // self.head_dim * self.n_layers + caps.sum())
+        """K/V rows of a stream in a pool at placement: the audio regions and the prompt's dense pages."""
+        return int(caps.sum()) + self.n_layers * self.n_kv_heads * self._pages_for(self.n_text) * max(self.page, 1)
 
-    def _into_pool(self, new_caps: np.ndarray) -> None:
-        """Move the dense part and each row's first `new_caps` slots into one extent of the pool (raise `PoolFull`,
-        changing nothing, where the pool lacks the room); the store's own prefill buffers are freed."""
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-int(n_tokens) // self.page) if self.page else 0
+
+    @property
+    def dense_rows_max(self) -> int:
+        """The dense tokens the store can hold: the prompt's text and `dense_capacity` more."""
+        return self.n_text + self.dense_capacity
+
+    def outstanding_blocks(self) -> int:
+        """Pool only: the dense pages (blocks) the stream is expected to ask for still (its prompt's and its
+        expected answer's, `expected_new_tokens`, less those it holds)."""
+        want = self._pages_for(self.n_text + self.expected_new_tokens)
+        return self.n_layers * self.n_kv_heads * max(0, want - len(self._pages))
+
+    def growth_blocks(self) -> int:
+        """Pool only: the dense pages (blocks) its expected answer adds to its prompt's."""
+        return self.n_layers * self.n_kv_heads * max(
+            0, self._pages_for(self.n_text + self.expected_new_tokens) - self._pages_for(self.n_text))
+
+    def pool_blocks(self) -> int:
+        """Pool only: the blocks the store holds (its extent and its dense pages)."""
+        return (self.extent.n_blocks if self.extent is not None else 0) + sum(len(p) for p in self._pages)
+
+    def _into_pool(self, new_caps: np.ndarray, reserve_blocks: int = 0) -> None:
+        """Move each row's first `new_caps` slots into one extent of the pool and the prompt's dense rows into
+        pages (raise `PoolFull`, changing nothing, where the pool lacks the room, `reserve_blocks` kept free);
+        the store's own prefill buffers are freed."""
         assert self.extent is None, "compact() into a pool runs once"
-        need = self.rows_needed(new_caps)
-        ext = self.pool.alloc(need)
-        if ext is None:
-            raise PoolFull(f"the stream needs {need * self.pool.row_bytes / 1e6:.1f} MB of KV, the pool has "
-                           f"{self.pool.capacity_bytes / 1e6:.1f} MB of which {self.pool.stats()['used_bytes'] / 1e6:.1f} "
-                           "in use")
-        self.extent = ext
-        k, v, pos = self.pool.views(ext)
-        n_dense = self.dense_k.numel() // self.head_dim
-        dk, dv = k[:n_dense].view(self.dense_k.shape), v[:n_dense].view(self.dense_k.shape)
-        dk.copy_(self.dense_k)
-        dv.copy_(self.dense_v)
-        self.dense_k, self.dense_v = dk, dv
+        pool, L, H = self.pool, self.n_layers, self.n_kv_heads
+        n_audio_rows = int(new_caps.sum())
+        n_pages = self._pages_for(self.n_text)
+        need = pool.blocks_for(max(n_audio_rows, 1)) + L * H * n_pages + int(reserve_blocks)
+        if not pool.can_alloc(max(n_audio_rows, 1)) or need > pool.free_blocks:
+            pool.n_refused += 1
+            rb = pool.block * pool.row_bytes
+            raise PoolFull(f"the stream needs {self.rows_needed(new_caps) * pool.row_bytes / 1e6:.1f} MB of KV "
+                           f"(+ {int(reserve_blocks) * rb / 1e6:.1f} MB kept for expected growth), the pool has "
+                           f"{pool.capacity_bytes / 1e6:.1f} MB of which {pool.stats()['used_bytes'] / 1e6:.1f} in use")
+        ext = self.extent = pool.alloc(n_audio_rows)
+        k, v, pos = pool.views(ext)
         keep = torch.as_tensor(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]),
                                device=self.device)
-        ak, av = k[n_dense:], v[n_dense:]
-        torch.index_select(self.audio_k, 0, keep, out=ak)
-        torch.index_select(self.audio_v, 0, keep, out=av)
-        self.audio_k, self.audio_v = ak, av  # the full prefill buffers are freed here
-        pos[:n_dense] = -1
-        torch.index_select(self.audio_pos, 0, keep, out=pos[n_dense:])
-        self.audio_pos = pos[n_dense:]
-        self.dense_row0 = ext.start  # the pool row of dense_k[0, 0, 0]
-        self.audio_row0 = ext.start + n_dense  # the pool row of audio slot 0
+        torch.index_select(self.audio_k, 0, keep, out=k)
+        torch.index_select(self.audio_v, 0, keep, out=v)
+        self.audio_k, self.audio_v = k, v  # the full prefill buffers are freed here
+        torch.index_select(self.audio_pos, 0, keep, out=pos)
+        self.audio_pos = pos
+        self.audio_row0 = ext.start  # the pool row of audio slot 0
         self.caps = new_caps
         self._set_layout()
+        # the dense part: a page table (L * H, pages the store can reach), its prompt rows copied into their pages
+        self.dense_table = torch.zeros(L * H, self._pages_for(self.dense_rows_max), device=self.device,
+                                       dtype=torch.int32)
+        prompt_k, prompt_v = self.dense_k.reshape(L * H, -1, self.head_dim), self.dense_v.reshape(L * H, -1, self.head_dim)
+        self.dense_k = self.dense_v = None
+        self.ensure_dense(self.n_text)  # there is room: checked above
+        if self.n_text:
+            rows = self._dense_rows(torch.arange(self.n_text, device=self.device), slice(None)).reshape(-1)
+            pool.k.index_copy_(0, rows, prompt_k.reshape(-1, self.head_dim))
+            pool.v.index_copy_(0, rows, prompt_v.reshape(-1, self.head_dim))
+
+    def ensure_dense(self, n_tokens: int) -> bool:
+        """Pool only: dense pages for the first `n_tokens` dense tokens of every (layer, KV head), asked of the pool
+        a page (one block per row) at a time; False (nothing taken for the page that failed) where the pool has no
+        free blocks left. Raises where `n_tokens` is past the store's capacity."""
+        if n_tokens > self.dense_rows_max:
+            raise RuntimeError("dense KV capacity exhausted: raise the engine's max_new_tokens capacity")
+        while len(self._pages) < self._pages_for(n_tokens):
+            got = self.pool.alloc_blocks(self.n_rows)
+            if got is None:
+                return False
+            p = len(self._pages)
+            self._pages.append(got)
+            self.dense_table[:, p] = torch.tensor([e.start for e in got], dtype=torch.int32)
+        return True
+
+    @property
+    def dense_pages(self) -> int:
+        return len(self._pages)
+
+    def _dense_rows(self, idx: torch.Tensor, rows) -> torch.Tensor:
+        """Pool rows (n_rows, len(idx)) of dense tokens `idx` (device long) of the store rows `rows` (a slice)."""
+        return self.dense_table[rows].index_select(1, idx // self.page).long() + (idx % self.page)
 
     def release_memory(self) -> None:
-        """The stream has left: give its extent back to the pool (the store must not be used after)."""
+        """The stream has left (or was preempted): give its extent and its dense pages back to the pool (the store
+        must not be used after)."""
         if self.pool is not None and self.extent is not None:
             self.pool.free(self.extent)
             self.extent = None
+            for page in self._pages:
+                for e in page:
+                    self.pool.free(e)
+            self._pages = []
             self.audio_k = self.audio_v = self.dense_k = self.dense_v = None
 
     def _probe_zero_copy(self) -> None:
@@ -401,25 +474,44 @@ class PackedAudioKVStore(StepAccounting):
         fn = attention_torch
         if self.kernels == "triton":
             from wnw_exp.kv.triton_attention import decode_attention as fn
-        return fn(q, self.dense_k[layer], self.dense_v[layer], self.dense_len_next, self.audio_k, self.audio_v,
+        dk, dv = self._dense(layer)
+        return fn(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v,
                   self._offsets[layer * H:(layer + 1) * H], self.audio_len[layer], scale,
                   max_audio_per_head=self._max_cap, audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
                   scratch=self._scratch[layer])
 
+    def _dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's dense K and V, (H_kv, n_text + dense_capacity, D): the store's own buffers, or in a pool its
+        pages gathered (rows past the pages held read pool row 0..: garbage that the lengths mask; graph-safe)."""
+        if self.pool is None:
+            return self.dense_k[layer], self.dense_v[layer]
+        H = self.n_kv_heads
+        rows = self._dense_rows(torch.arange(self.dense_rows_max, device=self.device), slice(layer * H, (layer + 1) * H))
+        return self.pool.k[rows], self.pool.v[rows]
+
     def append_dense(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write the step's key/value (H_kv, D) at the device-side dense length (graph-safe; no host read)."""
+        if self.pool is not None:  # its page must be there (`ensure_dense`)
+            H = self.n_kv_heads
+            rows = self._dense_rows(self.dense_len, slice(layer * H, (layer + 1) * H)).view(H)
+            self.pool.k.index_copy_(0, rows, k_new)
+            self.pool.v.index_copy_(0, rows, v_new)
+            return
         self.dense_k[layer].index_copy_(1, self.dense_len, k_new[:, None])
         self.dense_v[layer].index_copy_(1, self.dense_len, v_new[:, None])
 
     def dense_keys(self, layer: int) -> torch.Tensor:
         """(H_kv, n, D) the layer's non-audio keys so far (after RoPE; a host read of the length)."""
-        return self.dense_k[layer, :, : int(self.dense_len)]
+        return self._dense(layer)[0][:, : int(self.dense_len)]
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
                observe: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reference's `attend`, eagerly (one layer; the dense length advances after the last layer)."""
         self.flush(layer)
-        if self._dense_n >= self.dense_k.shape[2]:
+        if self.pool is not None:
+            if not self.ensure_dense(self._dense_n + 1):
+                raise PoolFull("the KV pool has no free block for the stream's next dense page")
+        elif self._dense_n >= self.dense_k.shape[2]:
             raise RuntimeError("dense KV capacity exhausted: raise the engine's max_new_tokens capacity")
         self.append_dense(layer, k_new, v_new)
         obs = probs = None
@@ -516,20 +608,21 @@ def attention_torch(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tenso
 
 
 def attention_batched_torch(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,
-                            dense_off: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
-                            audio_len: torch.Tensor, scale: float, *, max_keys: int,
+                            dense_table: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
+                            audio_len: torch.Tensor, scale: float, *, max_keys: int, page_rows: int,
                             scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`kv.triton_attention.decode_attention_batched` in PyTorch (same arguments and results): each (stream, KV
-    head) gathers its dense rows and audio slots from the pool up to `max_keys`, masked by the device lengths and
-    the free slots."""
+    head) gathers its dense rows (through its page table) and audio slots from the pool up to `max_keys`, masked
+    by the device lengths and the free slots."""
     B, H_q, D = q.shape
-    H = dense_off.shape[1]
+    H, P = dense_table.shape[1:]
     G = H_q // H
     j = torch.arange(max(int(max_keys), 1), device=q.device)
     dlen = dense_len.long().view(B, 1, 1)
     in_d = j < dlen
     in_a = (j >= dlen) & (j < dlen + audio_len.long()[..., None])
-    row = torch.where(in_d, dense_off.long()[..., None] + j, audio_off.long()[..., None] + j - dlen)
+    page = torch.gather(dense_table.long(), 2, (j // page_rows).clamp(max=P - 1).expand(B, H, -1))
+    row = torch.where(in_d, page + j % page_rows, audio_off.long()[..., None] + j - dlen)
     row = row.clamp(0, pool_k.shape[0] - 1)
     in_a = in_a & (pool_pos[row] >= 0)
     ok = in_d | in_a  # (B, H, K)

@@ -1,11 +1,13 @@
 """One allocation of device KV rows shared by the streams of a batch (issue 16).
 
 A `KVPool` is two (n_blocks * block, D) tensors, K and V, allocated once: the fixed GPU memory budget a server
-decodes in. A stream's store asks for one contiguous extent of whole blocks when its prefill is placed (its dense
-part with room for every token it may generate, and each head's resident audio plus its recall room: everything
-it can grow to, so a running stream never asks again) and gives it back when the stream leaves. `alloc` returns
-None when no free run of blocks is long enough: the caller (the engine's admission) waits or refuses, nothing is
-overcommitted. First fit over a sorted free list; neighbouring free runs merge on `free`.
+decodes in. A stream's store asks for one contiguous extent of whole blocks when its prefill is placed (each
+head's resident audio plus its recall room) and for single blocks, its dense pages, as its text grows (the prompt's
+text at placement, then one page per (layer, KV head) each time `block` generated tokens have filled the last:
+`alloc_blocks`); all of it goes back when the stream leaves. `alloc` returns None when no free run of blocks is
+long enough, `alloc_blocks` None when fewer blocks are free than asked: the caller (the engine's admission, or
+its preemption of a stream) decides, nothing is overcommitted. First fit over a sorted free list; neighbouring free
+runs merge on `free`.
 
 The pool also holds each row's audio position (`pos`, int32, -1 for a free slot or a dense row), so one
 attention launch over every stream of a batch reads positions as it reads keys: by pool row. Only the K/V rows
@@ -72,6 +74,31 @@ class KVPool:
     def can_alloc(self, n_rows: int) -> bool:
         need = self.blocks_for(n_rows)
         return any(n >= need for _, n in self._free)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.n_blocks - self.used_blocks
+
+    def alloc_blocks(self, n: int) -> list[Extent] | None:
+        """`n` single blocks (dense pages: not contiguous with each other), lowest first, or None (nothing taken)
+        where fewer than `n` are free."""
+        if n > self.free_blocks:
+            self.n_refused += 1
+            return None
+        out: list[Extent] = []
+        while len(out) < n:
+            b, m = self._free[0]
+            take = min(m, n - len(out))
+            if take == m:
+                del self._free[0]
+            else:
+                self._free[0] = (b + take, m - take)
+            for j in range(b, b + take):
+                ext = self._live[j] = Extent(j, 1, j * self.block, self.block)
+                out.append(ext)
+        self.used_blocks += n
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+        return out
 
     def alloc(self, n_rows: int) -> Extent | None:
         """One contiguous extent of at least `n_rows` rows (first fit), or None where none is free."""

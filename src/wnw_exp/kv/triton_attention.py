@@ -179,16 +179,16 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
 
 # --- a batch of streams: every (stream, KV head) ragged region read from one KV pool (issue 16) ---------------
 @triton.jit
-def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, aoff_ptr, alen_ptr, po_ptr, plse_ptr,
-                            scale, N_SPLITS, TILES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                            D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, dlen_ptr, aoff_ptr, alen_ptr, po_ptr, plse_ptr,
+                            scale, N_SPLITS, TILES, N_PAGES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
     # TILES is a runtime argument here (a constexpr in `_partial_kernel`): the batch's key bound changes whenever a
     # stream joins or leaves, and a constexpr would compile the kernel again for each new value.
     bh = tl.program_id(0)  # stream * H + KV head
     sp = tl.program_id(1)
     b = bh // H
     dlen = tl.load(dlen_ptr + b).to(tl.int64)
-    doff = tl.load(doff_ptr + bh).to(tl.int64)
+    bt = bt_ptr + bh.to(tl.int64) * N_PAGES  # this (stream, KV head)'s page table: the pool row of each dense page
     aoff = tl.load(aoff_ptr + bh).to(tl.int64)
     alen = tl.load(alen_ptr + bh).to(tl.int64)
     total = dlen + alen
@@ -205,7 +205,8 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, ao
         idx = start + t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         in_d = idx < dlen
         in_a = (idx >= dlen) & (idx < total)
-        row = tl.where(in_d, doff + idx, aoff + idx - dlen)  # the key's pool row: dense rows, then audio slots
+        page = tl.load(bt + idx // PAGE, mask=in_d, other=0).to(tl.int64)
+        row = tl.where(in_d, page + idx % PAGE, aoff + idx - dlen)  # the key's pool row: dense rows, then audio slots
         in_a = in_a & (tl.load(pos_ptr + row, mask=in_a, other=-1) >= 0)  # free slots hold no key
         ok = in_d | in_a
         k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
@@ -226,16 +227,17 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, doff_ptr, dlen_ptr, ao
 
 
 def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,
-                             dense_off: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
-                             audio_len: torch.Tensor, scale: float, *, max_keys: int,
+                             dense_table: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
+                             audio_len: torch.Tensor, scale: float, *, max_keys: int, page_rows: int,
                              scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Single-query attention of one layer for B streams in one launch: q (B, H_q, D); stream b's KV head h reads
-    the dense rows [dense_off[b, h], + dense_len[b]) and the audio slots [audio_off[b, h], + audio_len[b, h]) of the
-    pool (free slots, position -1 in `pool_pos`, skipped). `max_keys` bounds every dense_len + audio_len (it fixes
+    its first dense_len[b] dense tokens through its page table (token i at pool row dense_table[b, h, i // page_rows]
+    + i % page_rows; dense_table (B, H, pages) int32, updated in place as pages come) and the audio slots
+    [audio_off[b, h], + audio_len[b, h]) of the pool (free slots, position -1 in `pool_pos`, skipped). `max_keys` bounds every dense_len + audio_len (it fixes
     the grid). Returns the output (B, H_q, D) in q's dtype and the log-sum-exp (B, H_q) float32, from which
     `observed_probs` gives observer heads their softmax weights at audio positions."""
     B, H_q, D = q.shape
-    H = dense_off.shape[1]
+    H, n_pages = dense_table.shape[1:]
     G = H_q // H
     tiles, n_splits = n_splits_for(max_keys, B * H)
     key = (B, H_q, D, n_splits)
@@ -245,11 +247,11 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
                  plse=torch.empty(B * H_q, n_splits, device=q.device, dtype=torch.float32),
                  lse=torch.empty(B, H_q, device=q.device, dtype=torch.float32))
     out = torch.empty(B, H_q, D, device=q.device, dtype=q.dtype)
-    assert pool_k.stride(0) == D and pool_v.stride(0) == D
+    assert pool_k.stride(0) == D and pool_v.stride(0) == D and dense_table.is_contiguous()
     _batched_partial_kernel[(B * H, n_splits)](
-        q.contiguous(), pool_k, pool_v, pool_pos, dense_off, dense_len, audio_off, audio_len, s["po"], s["plse"],
-        scale, n_splits, tiles, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
-        PRECISION=dot_precision(pool_k.dtype, D), num_stages=3 if pool_k.element_size() <= 2 else 1)
+        q.contiguous(), pool_k, pool_v, pool_pos, dense_table, dense_len, audio_off, audio_len, s["po"], s["plse"],
+        scale, n_splits, tiles, n_pages, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
+        PAGE=int(page_rows), PRECISION=dot_precision(pool_k.dtype, D), num_stages=3 if pool_k.element_size() <= 2 else 1)
     _combine_kernel[(B * H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                                 NS_PAD=max(2, triton.next_power_of_2(n_splits)))
     return out, s["lse"]

@@ -130,6 +130,119 @@ def test_a_stream_that_cannot_fit_an_empty_pool_is_refused_and_the_others_run():
     assert pool.used_blocks == 0
 
 
+# --- the paged dense part: growth in pages, admission by expected growth, preemption ----------------------------
+PAGED_SECONDS, PAGED_CAPS = (6.0, 4.0, 5.0), (12, 8, 10)
+_PLACED: dict = {}
+
+
+def _placed_blocks(bb, method, path, prompts):
+    """Each request's blocks at admission (its audio extent and its prompt's dense pages), alone in a big pool."""
+    r = 0.2 if method != "full" else 1.0
+    out = []
+    for i, p in enumerate(prompts):
+        key = (method, i, p.input_ids.shape[1])
+        if key not in _PLACED:
+            probe = KVPool(200_000, bb.head_dim, bb.dtype, bb.device, block=4)
+            list(decode_batch(bb, [Request(0, p, 1)], _policy(method, bb).fork, retention=r, pool=probe, **path))
+            _PLACED[key] = probe.peak_blocks
+        out.append(_PLACED[key])
+    return out
+
+
+def _counting_page_allocs(pool):
+    calls = []
+    alloc = pool.alloc_blocks
+    pool.alloc_blocks = lambda n: calls.append(n) or alloc(n)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["full-fused", "wnw-fused", "full-per_stream", "wnw-per_stream"])
+def test_paged_pool_with_preemption_matches_bs1(case):
+    """A pool of 4-row blocks with room for the three streams' placed KV and 2 dense pages more: admitted without
+    reserve (reserve_tokens=0), the streams ask for pages mid-answer until the pool runs out, and the newest is
+    preempted (restarted from scratch later), at least once; every result is still bs 1's. The fused path (GEMMs
+    over the batch): tokens, accounting and traces equal, logits within 1e-4; the per-stream path over the pool
+    (TorchStep on the pooled packed store): logits byte for byte those of `generate` on the packed store. The pool
+    is empty at the end."""
+    method, kind = case.split("-")
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=kind == "fused", kernels="torch")
+    r = 0.2 if method != "full" else 1.0
+    prompts = _prompts(bb, PAGED_SECONDS)
+    placed = _placed_blocks(bb, method, path, prompts)
+    pool = KVPool((sum(placed) + 2 * bb.n_layers * bb.n_kv_heads) * 4, bb.head_dim, bb.dtype, bb.device, block=4)
+    calls = _counting_page_allocs(pool)
+    stats = BatchStats()
+    reqs = [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, PAGED_CAPS))]
+    got = dict(decode_batch(bb, reqs, _policy(method, bb).fork, retention=r, pool=pool, keep_logits=True,
+                            stats=stats, reserve_tokens=0, **path))
+    assert max(stats.batch_sizes) == 3 and len(stats.preempted) >= 1
+    assert 2 in stats.preempted  # the newest goes first
+    prompt_pages = 2  # 5 prompt text tokens in pages of 4 rows
+    assert len(calls) > prompt_pages * (len(reqs) + len(stats.preempted))  # pages were given mid-answer
+    assert pool.used_blocks == 0 and pool.peak_blocks <= pool.n_blocks
+    for i, (p, c) in enumerate(zip(prompts, PAGED_CAPS)):
+        a = generate(bb, p, _policy(method, bb), retention=r, max_new_tokens=c, keep_logits=True, **path)
+        b = got[i]
+        assert b.tokens == a.tokens and b.store_summary == a.store_summary and b.trace == a.trace
+        if kind == "fused":
+            assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    if case == "full-fused":  # admission by expected growth: keeping room for every token, nobody is preempted
+        pool2 = KVPool(pool.rows, bb.head_dim, bb.dtype, bb.device, block=4)
+        stats2 = BatchStats()
+        again = dict(decode_batch(bb, reqs, _policy(method, bb).fork, retention=r, pool=pool2, stats=stats2,
+                                  reserve_tokens=1.0, **path))
+        assert stats2.preempted == [] and max(stats2.batch_sizes) < 3
+        assert all(again[i].tokens == got[i].tokens for i in got) and pool2.used_blocks == 0
+
+
+def test_an_answer_the_pool_can_never_hold_fails_alone():
+    """A pool with room for the long request's placed KV and a few pages of its answer, not all of them: it fails
+    alone with one clear PoolFull (the other request, waiting or preempted, then runs and gets bs 1's tokens), and
+    the pool is empty at the end."""
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=True, kernels="torch")
+    prompts = _prompts(bb, PAGED_SECONDS)[:2]
+    placed = _placed_blocks(bb, "full", path, prompts)[:1]
+    pool = KVPool((placed[0] + 3 * bb.n_layers * bb.n_kv_heads) * 4, bb.head_dim, bb.dtype, bb.device, block=4)
+    stats = BatchStats()
+    out = list(decode_batch(bb, [Request(0, prompts[0], 24), Request(1, prompts[1], 4)], _policy("full", bb).fork,
+                            retention=1.0, pool=pool, stats=stats, **path))
+    errors = [(k, e) for k, e in out if isinstance(e, Exception)]
+    assert len(errors) == 1 and errors[0][0] == 0 and isinstance(errors[0][1], PoolFull)
+    assert "cannot hold this stream's answer" in str(errors[0][1]) and "no other stream is left" in str(errors[0][1])
+    assert stats.refused == []  # it was admitted: its placed KV fits, its answer does not
+    solo = generate(bb, prompts[1], _policy("full", bb), retention=1.0, max_new_tokens=4, **path)
+    assert dict(out)[1].tokens == solo.tokens
+    assert pool.used_blocks == 0
+
+
+def test_expected_new_tokens_knob():
+    from wnw_exp.engine.decode import expected_new_tokens
+
+    req = Request(0, None, 50)
+    assert expected_new_tokens(req) == 30  # 0.6 of the cap by default
+    assert expected_new_tokens(Request(0, None, 50, expected_new_tokens=20)) == 20
+    assert expected_new_tokens(Request(0, None, 50, expected_new_tokens=90)) == 50  # never past the cap
+    assert expected_new_tokens(req, 0) == 0 and expected_new_tokens(req, 70) == 50 and expected_new_tokens(req, 1.0) == 50
+    with pytest.raises(ValueError, match="fraction of the cap"):
+        expected_new_tokens(req, 1.5)
+
+
+def test_pool_alloc_blocks():
+    pool = KVPool(640, 8, torch.float32, "cpu", block=64)  # 10 blocks
+    a = pool.alloc(130)  # blocks 0-2
+    got = pool.alloc_blocks(4)
+    assert [e.block for e in got] == [3, 4, 5, 6] and all(e.n_blocks == 1 and e.n_rows == 64 for e in got)
+    assert pool.free_blocks == 3 and pool.alloc_blocks(4) is None and pool.free_blocks == 3  # all or nothing
+    pool.free(got[1])
+    pool.free(got[3])
+    assert [e.block for e in pool.alloc_blocks(4)] == [4, 6, 7, 8]  # scattered: lowest free blocks first
+    assert pool.free_blocks == 1
+
+
 def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing():
     bb = _backbone("voxtral")
     solo, batched, stats = _solo_and_batched(bb, "wnw", dict(store="reference"), prefill_chunk_layers=1)

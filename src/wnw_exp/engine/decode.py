@@ -437,8 +437,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 return
             continue
         preempted, failed_growth = _grow_dense(active)
-        for st in preempted:  # newest first: the oldest ends at the head of the queue
-            _leave(st)
+        for st in preempted:  # newest first (their memory is already free): the oldest ends at the head of the queue
             stats.preempted.append(st.key)
             queue.appendleft(st.request)
         for st, e in failed_growth:
@@ -527,7 +526,8 @@ def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
 def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, Exception]]]:
     """Before a step: every pooled stream's dense page for the token it appends, oldest stream first. Where the
     pool has no free block, the newest stream is preempted (possibly the one asking, if it is the newest); a stream
-    alone fails. Removes them from `active`; returns (preempted, newest first; [(failed, its error)])."""
+    alone fails. Removes them from `active` (a preempted stream's memory is freed here); returns (preempted,
+    newest first; [(failed, its error)])."""
     from wnw_exp.kv.pool import PoolFull
 
     preempted, failed = [], []
@@ -548,7 +548,9 @@ def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, 
                 f"the pool's {pool.capacity_bytes / 1e6:.2f} MB")))
             active.pop(i)
             continue
-        preempted.append(active.pop())  # the newest (st itself when it is the newest: then the loop ends)
+        victim = active.pop()  # the newest (st itself when it is the newest: then the loop ends)
+        _leave(victim)  # its memory is free before st asks again
+        preempted.append(victim)
     return preempted, failed
 
 

@@ -2,10 +2,14 @@
 
 Every request is a stream of the engine's `decode_batch` (the loop `wnw-run batch_size=` runs) on the model shapes,
 random weights and scripted anchor attention of `decode_speed.py` (imported from there, not copied). All requests
-arrive at once; the KV budget is one real allocation (`kv.pool.KVPool`): a request joins when the pool has a free
-extent for its placed KV and all it can grow to (its dense part for every token it may generate, each head's
-recall room), and leaves at its length cap (random weights: no end token), freeing it. Prefill runs
-`--prefill-chunk-layers` layers between two decode steps.
+arrive at once; the KV budget is one real allocation (`kv.pool.KVPool`): a request joins when the pool has room for
+its placed KV (an extent for each head's resident audio and recall room, dense pages for its prompt's text) and its
+expected growth (the dense pages of the scenario's mean answer, `Request.expected_new_tokens`, besides the growth
+still expected of the running streams); its generated tokens' K/V then come in dense pages (one 64-row pool block
+per layer and KV head) as the answer grows, and where the pool has no block left the newest stream is preempted
+(freed, restarted from scratch later: `preempted` counts them; its discarded tokens are not counted in
+tokens_per_s). A stream leaves at its length cap (random weights: no end token), freeing all it holds. Prefill
+runs `--prefill-chunk-layers` layers between two decode steps.
 
     PYTHONPATH=src python3 benchmarks/serving.py --gpu --out $OUT/serving.json    # the H200 scenario, docs/gpu.md
     python3 benchmarks/serving.py --smoke [--out x.json]                         # tiny shapes on the CPU, seconds
@@ -20,16 +24,19 @@ decode steps (no CUDA graph: the path least likely to fail on a first GPU run): 
 of each composition); then WnW with recall off. No scenario starts after `--deadline-s` (150 s); rows are written
 as each scenario ends, so a call cut short keeps what finished. The budget is 6 GB rather than the issue's 40 so
 that the scenarios fit one 5-minute call (the stream counts scale with the budget; 32 and 14 requests are meant to
-exceed WnW's peaks, about 28 and 13 streams by a rough estimate from the store's layout, not a measurement, so that
-the pool and not the request count sets the peak: `max_concurrent` < `requests` in a row shows it did).
+exceed WnW's peaks, about 28 and 13 streams by a rough estimate from the store's layout made before the dense part
+was paged (each stream then held its whole answer's dense room), not a measurement, so that the pool and not the
+request count sets the peak: `max_concurrent` < `requests` in a row shows it did; with the paged dense part the
+request counts may need raising).
 
 A row per (method, audio length): {"kind": "throughput", "method", "retention", "audio_tokens", "kv_budget_gb",
-"max_concurrent", "tokens_per_s", "p50_ms", "p95_ms", "h2d_gb_per_s"} plus: requests, generated tokens, wall
-seconds, mean batch size, prefill ms (mean per request, and the longest stall of the running streams by one
+"max_concurrent", "tokens_per_s", "p50_ms", "p95_ms", "h2d_gb_per_s", "preempted"} plus: requests, generated tokens,
+wall seconds, mean batch size, prefill ms (mean per request, and the longest stall of the running streams by one
 prefill chunk), the pool's peak use, requests refused, the GPU, date and command. tokens_per_s: every generated
 token over the wall time from the arrival to the last finish (prefills included); p50/p95: inter-token latency of
-every stream over every token (the prefill chunks interleaved included); h2d_gb_per_s: host -> device bytes of the
-recalls over the decode steps run at peak concurrency, over their time. Then a "latency_bs1" row per method: the
+every stream over every token (the prefill chunks interleaved included; a preempted stream's tokens before its
+restart are not); h2d_gb_per_s: host -> device bytes of the recalls (of the runs that finished) over the decode
+steps run at peak concurrency, over their time; preempted: preemptions (a stream restarted from scratch). Then a "latency_bs1" row per method: the
 same request alone (p50/p95 at batch size 1, the reference for the peak's p95).
 """
 
@@ -69,7 +76,7 @@ def lengths(n: int, mean: int, seed: int = 0) -> list[int]:
 
 
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
-             chunk_layers: int | None, path: dict) -> dict:
+             chunk_layers: int | None, path: dict, expected: int | None = None) -> dict:
     from wnw_exp.engine.decode import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
@@ -81,7 +88,8 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     ds._sync()
     t0 = time.perf_counter()
     results = {}
-    for key, res in decode_batch(bb, [Request(i, prompt, c) for i, c in enumerate(caps)], template.fork,
+    expected = expected if expected is not None else int(round(float(np.mean(caps))))  # the mean answer
+    for key, res in decode_batch(bb, [Request(i, prompt, c, expected) for i, c in enumerate(caps)], template.fork,
                                  retention=r, pool=pool, prefill_chunk_layers=chunk_layers, stats=stats, **path):
         if isinstance(res, Exception):
             raise res
@@ -110,6 +118,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 prefill_stall_ms_max=max(stats.prefill_ms_between_steps, default=0.0),
                 prefill_chunk_layers=chunk_layers, pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
                 pool_capacity_gb=pool.capacity_bytes / 1e9, refused=len(stats.refused),
+                preempted=len(stats.preempted), expected_new_tokens=expected,
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
                 path={k: v for k, v in path.items()})
 
@@ -199,7 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mean = tok_mean or int(round(n_audio / ds.TOKEN_RATE * TOKENS_PER_AUDIO_SECOND))
         caps = lengths(n_req, mean)
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
-                                                         a.prefill_chunk_layers, job_path)),
+                                                         a.prefill_chunk_layers, job_path, mean)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

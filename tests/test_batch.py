@@ -466,12 +466,13 @@ def test_serving_benchmark_smoke(tmp_path):
     tput = {x["method"]: x for x in rows if x["kind"] == "throughput"}
     assert set(tput) == {"full", "wnw", "adakv", "arkvale", "wnw_recall_off"}
     schema = {"kind", "method", "retention", "audio_tokens", "kv_budget_gb", "max_concurrent", "tokens_per_s",
-              "p50_ms", "p95_ms", "h2d_gb_per_s", "date", "gpu", "command"}
+              "p50_ms", "p95_ms", "h2d_gb_per_s", "preempted", "date", "gpu", "command"}
     for x in tput.values():
         assert schema <= x.keys() and "error" not in x
         assert x["finished"] == x["requests"] == 6 and x["refused"] == 0
         assert x["pool_peak_gb"] <= x["pool_capacity_gb"] <= x["kv_budget_gb"]  # admission respected the pool
         assert x["tokens_per_s"] > 0 and x["p95_ms"] >= x["p50_ms"] > 0
+        assert x["preempted"] >= 0 and x["expected_new_tokens"] == 6
     assert tput["full"]["max_concurrent"] == 2
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
     assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]

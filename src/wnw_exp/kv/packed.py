@@ -5,7 +5,9 @@ in one CUDA graph (no host read anywhere on that path).
 Layout (row r = layer * H_kv + head):
 - dense part: one (L, H_kv, C_dense, D) buffer; one device counter `dense_len` shared by all layers (every layer
   sees the same non-audio tokens); `dense_len_next` = dense_len + 1, what attention reads once the step's token
-  is appended.
+  is appended. In a `KVPool` (a batch's streams) the dense part is paged instead: a page is one pool block per
+  row, `dense_table` (L*H, pages) holds each page's first pool row, and pages are asked for as the text grows
+  (`ensure_dense`); the audio part is one extent of the pool.
 - audio part: one flat (C, D) buffer each for K and V; row r owns the slots [base_r, base_r + cap_r).
   `audio_pos[slot]` is the audio position a slot holds, -1 when the slot is free. Attention scans each head's
   first `audio_len[l, h]` slots (the high-water mark of its occupied slots) and skips free ones; slot order

@@ -140,7 +140,8 @@ def _placed_blocks(bb, method, path, prompts):
     r = 0.2 if method != "full" else 1.0
     out = []
     for i, p in enumerate(prompts):
-        key = (method, i, p.input_ids.shape[1])
+        key = (method, p.input_ids.shape[1], sum(float(v.double().sum()) for v in p.audio_inputs.values()
+                                                 if torch.is_tensor(v)))  # the same prompt
         if key not in _PLACED:
             probe = KVPool(200_000, bb.head_dim, bb.dtype, bb.device, block=4)
             list(decode_batch(bb, [Request(0, p, 1)], _policy(method, bb).fork, retention=r, pool=probe, **path))
@@ -402,6 +403,29 @@ def test_batched_step_in_triton_matches_bs1(dtype):
             assert same == len(a.tokens) == len(b.tokens) and b.trace == a.trace
         assert same >= 1
         assert max(float((x - y).abs().max()) for x, y in zip(a.logits[:same], b.logits[:same])) < tol
+
+
+def test_batched_step_in_triton_on_a_paged_pool_with_preemption():
+    """The whole batched step with its Triton kernels (WnW) on a pool of 4-row blocks with room for the two streams'
+    placed KV and one dense page more: a page given mid-answer to the first, the second (the newest) preempted when
+    it needs one and restarted alone; both give bs 1's tokens and traces on the same kernels."""
+    dev = _triton_device()
+    bb = _backbone("voxtral")
+    bb.model.to(dev)
+    path = dict(store="packed", fused=True, kernels="triton")
+    seconds, caps = (8.0, 6.0), (6, 5)
+    placed = _placed_blocks(bb, "wnw", dict(store="packed", fused=True, kernels="torch"), _prompts(bb, seconds))
+    pool = KVPool((sum(placed) + bb.n_layers * bb.n_kv_heads) * 4, bb.head_dim, bb.dtype, dev, block=4)
+    calls = _counting_page_allocs(pool)
+    solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=caps, seconds=seconds, reserve_tokens=0)
+    assert max(stats.batch_sizes) == 2 and stats.preempted == [1]
+    assert len(calls) > 2 * 3  # a page beyond the prompts' (2 each, three admissions)
+    tol = 1e-4 if not HAS_CUDA else 5e-3
+    for i, a in enumerate(solo):
+        b = batched[i]
+        assert b.tokens == a.tokens and b.trace == a.trace
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < tol
+    assert pool.used_blocks == 0
 
 
 # --- wnw-run batch_size ----------------------------------------------------------------------------------

@@ -476,6 +476,20 @@ def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path):
             check_config({"retention": 0.2, "batch_size": bad})
 
 
+def test_kv_pool_gb_is_checked_and_outside_the_identity(tmp_path):
+    """`kv_pool_gb` (the GPU pool batched streams share) takes a size > 0 or null, one line otherwise, and does not
+    change the run directory (like batch_size, it cannot change a prediction)."""
+    from wnw_exp.engine.runner import check_config
+    from wnw_exp.rundir import identity_hash
+
+    for bad in (0, -1.5, "4", True):
+        with pytest.raises(ValueError, match=f"^kv_pool_gb={bad!r}: the KV pool batched streams share"):
+            check_config({"retention": 0.2, "kv_pool_gb": bad})
+    check_config({"retention": 0.2, "kv_pool_gb": 2.5})
+    check_config({"retention": 0.2, "kv_pool_gb": None})
+    assert identity_hash(_run_config(tmp_path, "kv_pool_gb=3.0", "batch_size=4")) == identity_hash(_run_config(tmp_path))
+
+
 def test_serving_benchmark_smoke(tmp_path):
     """benchmarks/serving.py --smoke: every method's row with the issue's schema, admission within the pool, and
     the 0.2-retention methods holding more streams than Full in the same pool."""

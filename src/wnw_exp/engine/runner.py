@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import traceback
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -95,6 +96,10 @@ def check_config(cfg: dict) -> None:
     bs = cfg.get("batch_size", 1)
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         raise ValueError(f"batch_size={bs!r}: the number of samples decoded together, a whole number >= 1")
+    gb = cfg.get("kv_pool_gb")
+    if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
+        raise ValueError(f"kv_pool_gb={gb!r}: the KV pool batched streams share on the GPU, in GB (> 0), or null "
+                         "for 80% of the free device memory")
 
 
 def environment(device: torch.device) -> dict:
@@ -234,8 +239,8 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
 
 def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
     """`batch_size` samples decoded together (`engine.decode.decode_batch`, each with its own fork of `policy`);
-    each one's record goes to `finished` as soon as it ends. On CUDA the streams share one KV pool (80% of the
-    device memory free after the weights); a stream it cannot hold waits for one to leave."""
+    each one's record goes to `finished` as soon as it ends. On CUDA the streams share one KV pool (`kv_pool_gb`;
+    null: 80% of the device memory free after the weights); a stream it cannot hold waits for one to leave."""
     from wnw_exp.engine.decode import Request, decode_batch, default_pool
 
     path = ENGINE_PATHS[cfg.get("engine", "auto")]
@@ -253,7 +258,18 @@ def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
             waiting[sample.id] = (sample, prompt)
             yield Request(sample.id, prompt, cap)
 
-    pool = default_pool(backbone) if path.get("store") != "reference" else None
+    pool = None
+    if path.get("store") != "reference":
+        gb = cfg.get("kv_pool_gb")
+        if gb is not None and backbone.device.type == "cuda":
+            from wnw_exp.kv.pool import KVPool
+
+            pool = KVPool.of_bytes(gb * 1e9, backbone.head_dim, backbone.dtype, backbone.device)
+        else:
+            pool = default_pool(backbone)
+        if gb is not None and pool is None:
+            warnings.warn(f"kv_pool_gb={gb}: the KV pool is the GPU's; on {backbone.device.type} each stream has its "
+                          "own store", stacklevel=2)
     for key, res in decode_batch(backbone, requests(), policy.fork, retention=cfg["retention"],
                                  max_concurrent=cfg["batch_size"], pool=pool, **path):
         sample, prompt = waiting.pop(key)

@@ -48,23 +48,30 @@ def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.
 
 
 @triton.jit
+def _rope_row(head_ptr, x, cos_row, sin_row, cols, D: tl.constexpr):
+    """One head row `x` (loaded from `head_ptr`) after RoPE, in its dtype, rounded where HF's
+    `x * cos + rotate_half(x) * sin` rounds (both append kernels)."""
+    dt = head_ptr.dtype.element_ty
+    first = cols < D // 2
+    xr = tl.load(head_ptr + tl.where(first, cols + D // 2, cols - D // 2))
+    xr = tl.where(first, -xr, xr)  # rotate_half
+    c = tl.load(cos_row + cols).to(tl.float32)
+    s = tl.load(sin_row + cols).to(tl.float32)
+    a = (x.to(tl.float32) * c).to(dt)
+    b = (xr.to(tl.float32) * s).to(dt)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _rope_append_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, dlen_ptr, q_out_ptr, dk_ptr, dv_ptr,
                         s_dk_h, s_dk_n, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
     i = tl.program_id(0)  # head row of the fused projection: q heads, then k heads, then v heads
-    dt = qkv_ptr.dtype.element_ty
     cols = tl.arange(0, D)
     x = tl.load(qkv_ptr + i * D + cols)
     n = tl.load(dlen_ptr).to(tl.int64)
     if i < HQ + HKV:
-        first = cols < D // 2
-        xr = tl.load(qkv_ptr + i * D + tl.where(first, cols + D // 2, cols - D // 2))
-        xr = tl.where(first, -xr, xr)  # rotate_half
         pos = tl.load(pos_ptr).to(tl.int64)
-        c = tl.load(cos_ptr + pos * D + cols).to(tl.float32)
-        s = tl.load(sin_ptr + pos * D + cols).to(tl.float32)
-        a = (x.to(tl.float32) * c).to(dt)
-        b = (xr.to(tl.float32) * s).to(dt)
-        y = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+        y = _rope_row(qkv_ptr + i * D, x, cos_ptr + pos * D, sin_ptr + pos * D, cols, D)
         if i < HQ:
             tl.store(q_out_ptr + i * D + cols, y)
         else:
@@ -110,20 +117,12 @@ def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, bt_p
     i = tl.program_id(0)  # stream b's head row j of the fused projection: q heads, then k heads, then v heads
     b = i // (HQ + 2 * HKV)
     j = i % (HQ + 2 * HKV)
-    dt = qkv_ptr.dtype.element_ty
     cols = tl.arange(0, D)
     x = tl.load(qkv_ptr + i.to(tl.int64) * D + cols)
     n = tl.load(dlen_ptr + b).to(tl.int64)
     if j < HQ + HKV:
-        first = cols < D // 2
-        xr = tl.load(qkv_ptr + i.to(tl.int64) * D + tl.where(first, cols + D // 2, cols - D // 2))
-        xr = tl.where(first, -xr, xr)  # rotate_half
-        row = b.to(tl.int64) * T + tl.load(t_ptr + b).to(tl.int64)
-        c = tl.load(cos_ptr + row * D + cols).to(tl.float32)
-        s = tl.load(sin_ptr + row * D + cols).to(tl.float32)
-        a = (x.to(tl.float32) * c).to(dt)
-        bb = (xr.to(tl.float32) * s).to(dt)
-        y = (a.to(tl.float32) + bb.to(tl.float32)).to(dt)
+        row = b.to(tl.int64) * T + tl.load(t_ptr + b).to(tl.int64)  # stream b's RoPE table row of this step
+        y = _rope_row(qkv_ptr + i.to(tl.int64) * D, x, cos_ptr + row * D, sin_ptr + row * D, cols, D)
         if j < HQ:
             tl.store(q_out_ptr + (b.to(tl.int64) * HQ + j) * D + cols, y)
         else:

@@ -36,6 +36,30 @@ def dot_precision(dtype: torch.dtype, head_dim: int) -> str:
 
 
 @triton.jit
+def _online_softmax_tile(q, k, v, ok, m, lsum, acc, scale, PRECISION: tl.constexpr):
+    """One tile of keys through split-K decoding's online softmax (both partial kernels): scores of the query
+    group against the tile's keys (`ok` masks the keys that exist), the running max `m`, sum `lsum` and weighted
+    values `acc` rescaled to the new max."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _store_partial(po_ptr, plse_ptr, qh, sp, N_SPLITS, m, lsum, acc, valid, cols, D: tl.constexpr):
+    """A split's normalised output and log-sum-exp for the query heads `qh` (rows where `valid`)."""
+    out = acc / tl.maximum(lsum, 1e-30)[:, None]
+    lse = tl.where(lsum > 0, m + tl.log(tl.maximum(lsum, 1e-30)), float("-inf"))
+    tl.store(po_ptr + (qh[:, None] * N_SPLITS + sp) * D + cols[None, :], out, mask=valid[:, None])
+    tl.store(plse_ptr + qh * N_SPLITS + sp, lse, mask=valid)
+
+
+@triton.jit
 def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, alen_ptr, apos_ptr,
                     po_ptr, plse_ptr, scale,
                     s_dk_h, s_dk_n, s_ak_n, N_SPLITS,
@@ -68,19 +92,8 @@ def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, a
         a_off = arow[:, None] * s_ak_n + cols[None, :]
         k = tl.load(dk_ptr + d_off, mask=in_d[:, None], other=0.0) + tl.load(ak_ptr + a_off, mask=in_a[:, None], other=0.0)
         v = tl.load(dv_ptr + d_off, mask=in_d[:, None], other=0.0) + tl.load(av_ptr + a_off, mask=in_a[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where((in_d | in_a)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        m = m_new
-    out = acc / tl.maximum(lsum, 1e-30)[:, None]
-    lse = tl.where(lsum > 0, m + tl.log(tl.maximum(lsum, 1e-30)), float("-inf"))
-    qh = h * G + rows
-    tl.store(po_ptr + (qh[:, None] * N_SPLITS + sp) * D + cols[None, :], out, mask=(rows < G)[:, None])
-    tl.store(plse_ptr + qh * N_SPLITS + sp, lse, mask=rows < G)
+        m, lsum, acc = _online_softmax_tile(q, k, v, in_d | in_a, m, lsum, acc, scale, PRECISION)
+    _store_partial(po_ptr, plse_ptr, h * G + rows, sp, N_SPLITS, m, lsum, acc, rows < G, cols, D)
 
 
 @triton.jit
@@ -211,19 +224,8 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, dlen_ptr, aoff
         ok = in_d | in_a
         k = tl.load(k_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        m = m_new
-    out = acc / tl.maximum(lsum, 1e-30)[:, None]
-    lse = tl.where(lsum > 0, m + tl.log(tl.maximum(lsum, 1e-30)), float("-inf"))
-    qh = bh * G + rows
-    tl.store(po_ptr + (qh[:, None] * N_SPLITS + sp) * D + cols[None, :], out, mask=(rows < G)[:, None])
-    tl.store(plse_ptr + qh * N_SPLITS + sp, lse, mask=rows < G)
+        m, lsum, acc = _online_softmax_tile(q, k, v, ok, m, lsum, acc, scale, PRECISION)
+    _store_partial(po_ptr, plse_ptr, bh * G + rows, sp, N_SPLITS, m, lsum, acc, rows < G, cols, D)
 
 
 def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,

@@ -63,6 +63,22 @@ class TorchStep:
         return out.view(1, q.shape[0], 1, -1)
 
 
+def _after_attention(step, w, out: torch.Tensor) -> torch.Tensor:
+    """A fused layer after its attention `out` ((H_q, D), or (B, H_q, D) in a batch), for `FusedStep` and
+    `BatchedFusedStep` alike: o GEMM, add+RMSNorm, gate|up GEMM, SiLU*mul, down GEMM; returns the down projection,
+    the residual delta the next layer's add+RMSNorm adds."""
+    delta = F.linear(out.flatten(-2), w.w_o, w.b_o)
+    step.add_rmsnorm(step.hidden, delta, w.ln2, w.eps, step.normed)
+    step.silu_mul(F.linear(step.normed, w.w_gate_up), step.act)
+    return F.linear(step.act, w.w_down)
+
+
+def _final_logits(step) -> torch.Tensor:
+    """The last layer's residual add, the final RMSNorm and the LM head (both fused steps)."""
+    step.add_rmsnorm(step.hidden, step._delta, step.norm_f, step.eps_f, step.normed)
+    return F.linear(step.normed, step.lm_w, step.lm_b)
+
+
 class FusedStep:
     """The fused decode step over a `PackedAudioKVStore`, in static buffers (graph-safe).
 
@@ -118,15 +134,11 @@ class FusedStep:
             out = s.attend_device(li, self.q, w.scale, obs, probs)
             if obs is not None:
                 self.policy.observe(li, probs)
-            delta = F.linear(out.view(-1), w.w_o, w.b_o)
-            self.add_rmsnorm(self.hidden, delta, w.ln2, w.eps, self.normed)
-            self.silu_mul(F.linear(self.normed, w.w_gate_up), self.act)
-            delta = F.linear(self.act, w.w_down)
+            delta = _after_attention(self, w, out)
         self._delta = delta
 
     def head(self) -> None:
-        self.add_rmsnorm(self.hidden, self._delta, self.norm_f, self.eps_f, self.normed)
-        self.logits = F.linear(self.normed, self.lm_w, self.lm_b)  # inside a graph: its static output
+        self.logits = _final_logits(self)  # inside a graph: its static output
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.tok.view(1))
         self.t += 1
         self.store.advance()
@@ -223,15 +235,11 @@ class BatchedFusedStep:
                 self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
                            probs, stores[b]._max_cap)
                 self.streams[b].policy.observe(li, probs)
-            delta = F.linear(out.view(out.shape[0], -1), w.w_o, w.b_o)
-            self.add_rmsnorm(self.hidden, delta, w.ln2, w.eps, self.normed)
-            self.silu_mul(F.linear(self.normed, w.w_gate_up), self.act)
-            delta = F.linear(self.act, w.w_down)
+            delta = _after_attention(self, w, out)
         self._delta = delta
 
     def head(self) -> None:
-        self.add_rmsnorm(self.hidden, self._delta, self.norm_f, self.eps_f, self.normed)
-        self.logits = F.linear(self.normed, self.lm_w, self.lm_b)  # (B, vocab)
+        self.logits = _final_logits(self)  # (B, vocab)
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.tok)
         self.t += 1
         for st in self.streams:

@@ -236,6 +236,48 @@ class Stream:
                             self.kept if self.keep_logits else None, self.policy.knobs())
 
 
+class TokenRunner:
+    """One token of a fused step (`FusedStep` for `generate`, `BatchedFusedStep` for a batch): the step's body, the
+    methods' decisions and the stores' moves (`after(i)`) on the side stream `side` while the final norm and the LM
+    head run, then the head. With `graph`, PyTorch's capture recipe: the first WARM_STEPS tokens run eagerly on a
+    warm-up stream, then the whole token (`after(None)`: the step index stays on the device) is captured in one CUDA
+    graph and replayed."""
+
+    def __init__(self, step, dev: torch.device, side):
+        self.step, self.dev, self.side = step, dev, side
+        self.graph: CapturedStep | None = None
+        self.warm = None
+        self.n = 0  # tokens run
+
+    def _token(self, i: int | None, after) -> None:
+        self.step.body()
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
+            after(i)
+        self.step.head()
+        if self.side is not None:
+            torch.cuda.current_stream(self.dev).wait_stream(self.side)
+
+    def __call__(self, i: int, after, graph: bool) -> None:
+        if self.graph is not None:
+            self.graph()
+        elif graph and self.n >= WARM_STEPS:
+            if self.warm is not None:
+                torch.cuda.current_stream(self.dev).wait_stream(self.warm)
+            self.graph = CapturedStep(lambda: self._token(None, after))
+            self.graph()
+        elif graph:
+            self.warm = self.warm or torch.cuda.Stream(self.dev)
+            self.warm.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(self.warm):
+                self._token(i, after)
+            torch.cuda.current_stream(self.dev).wait_stream(self.warm)
+        else:
+            self._token(i, after)
+        self.n += 1
+
+
 @torch.no_grad()
 def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
              keep_logits: bool = False, store: str = "auto", fused: bool | None = None, graph: bool | None = None,
@@ -260,42 +302,17 @@ def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: f
     stream.make_step()
     step, store = stream.step, stream.store
     side = torch.cuda.Stream(dev) if path.fused and dev.type == "cuda" else None
-
-    def decode_one(i: int | None) -> None:
-        """One token: the step, the method's decision for the next step, the store's moves and accounting."""
-        if not path.fused:
-            step(i)
-            stream.after_step(i)
-            return
-        step.body()
-        if side is not None:  # the decision and its copies overlap the final norm and the LM head
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if side is not None else nullcontext():
-            stream.after_step(i)
-        step.head()
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)
-
+    runner = TokenRunner(step, dev, side) if path.fused else None
     logits = stream.logits
-    captured = None
-    warm = torch.cuda.Stream(dev) if path.graph else None  # eager steps before a capture run on a side stream
     for i in range(max_new_tokens):
         if not stream.emit(int(step.tok), logits):
             break
         t0 = time.perf_counter()
-        if captured is not None:
-            captured()
-        elif path.graph and i >= WARM_STEPS and store.graph_safe:  # (a store may have fallen back to host copies)
-            torch.cuda.current_stream(dev).wait_stream(warm)
-            captured = CapturedStep(lambda: decode_one(None))
-            captured()
-        elif warm is not None:  # PyTorch's recipe: warm up on a side stream before capturing
-            warm.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(warm):
-                decode_one(i)
-            torch.cuda.current_stream(dev).wait_stream(warm)
+        if runner is not None:  # (a store may have fallen back to host copies: then no graph)
+            runner(i, stream.after_step, graph=path.graph and store.graph_safe)
         else:
-            decode_one(i)
+            step(i)
+            stream.after_step(i)
         logits = step.logits
         _sync(dev)
         stream.step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -579,38 +596,17 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
             except Exception as e:  # noqa: BLE001
                 tokens.append(e)
         return tokens, [st.step.logits for st in active] if keep_logits else None
-    if "step" not in batched:
-        batched.update(step=BatchedFusedStep(backbone, active, active[0].path.kernels), n=0, graph=None)
-    step = batched["step"]
-    dev = backbone.device
+    if "runner" not in batched:
+        batched["runner"] = TokenRunner(BatchedFusedStep(backbone, active, active[0].path.kernels), backbone.device,
+                                        side)
+    runner = batched["runner"]
+    step = runner.step
 
-    def decode_all(capturing: bool) -> None:
-        step.body()
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if side is not None else nullcontext():
-            for st in active:
-                st.after_step(None if capturing else st.index)
-        step.head()
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)
+    def after_all(i: int | None) -> None:
+        for st in active:
+            st.after_step(None if i is None else st.index)
 
-    use_graph = all(st.path.graph and st.store.graph_safe for st in active)
-    if batched["graph"] is not None:
-        batched["graph"]()
-    elif use_graph and batched["n"] >= WARM_STEPS:
-        torch.cuda.current_stream(dev).wait_stream(batched["warm"])
-        batched["graph"] = CapturedStep(lambda: decode_all(True))
-        batched["graph"]()
-    elif use_graph:  # PyTorch's recipe: warm up on a side stream before capturing
-        warm = batched.setdefault("warm", torch.cuda.Stream(dev))
-        warm.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(warm):
-            decode_all(False)
-        torch.cuda.current_stream(dev).wait_stream(warm)
-    else:
-        decode_all(False)
-    batched["n"] += 1
+    runner(0, after_all, graph=all(st.path.graph and st.store.graph_safe for st in active))
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
 
 

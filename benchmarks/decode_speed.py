@@ -52,6 +52,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -290,8 +291,6 @@ def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15)
     """Where a decode step's device time goes: the fused step run eagerly (a graph hides its kernels from the
     profiler) under torch.profiler, once for `steps` answer tokens and once for the prefill alone; the difference
     per kernel over `steps`: the `top` kernels by device time per step (us), with their launches per step."""
-    import copy
-
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import generate
@@ -302,7 +301,7 @@ def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15)
 
     def kernels(n_new: int) -> dict:
         with profile(activities=acts) as prof:
-            generate(bb, prompt, copy.deepcopy(policy), retention=retention, max_new_tokens=n_new,
+            generate(bb, prompt, policy.fork(), retention=retention, max_new_tokens=n_new,
                      **{**FAST, "graph": False})
             _sync()
         out = {}
@@ -413,9 +412,10 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
 
 def targets(results: dict, model: str, n_audio: int, r: float) -> dict:
     """Issue 15's targets from the rows (None where a row is missing or failed)."""
-    def ms(row):
-        v = results.get(f"{model}/{n_audio}/{row}", {})
-        return v.get("ms_per_token")
+    def at(name: str, n: int, row: str):
+        return results.get(f"{name}/{n}/{row}", {}).get("ms_per_token")
+
+    ms = partial(at, model, n_audio)
 
     full, wnw, ark = ms("engine_full"), ms(f"engine_wnw_r{r}"), ms(f"engine_arkvale_r{r}")
     run_full, run_wnw = ms("runner_full"), ms(f"runner_wnw_r{r}")
@@ -427,13 +427,12 @@ def targets(results: dict, model: str, n_audio: int, r: float) -> dict:
              runner_full_over_engine=ratio(run_full, full), runner_wnw_over_engine=ratio(run_wnw, wnw),
              fused_same_tokens_prefix=check.get("same_tokens_prefix"),
              fused_max_abs_logit_diff=check.get("max_abs_logit_diff"), fused_max_abs_logit=check.get("max_abs_logit"))
-    long_full, long_wnw = (results.get(f"{model}/{n}/{row}", {}).get("ms_per_token")
-                           for n, row in ((12000, "engine_full"), (12000, f"engine_wnw_r{r}")))
+    long_full, long_wnw = at(model, 12000, "engine_full"), at(model, 12000, f"engine_wnw_r{r}")
     t.update(wnw_12000_over_full=ratio(long_wnw, long_full),
              wnw_12000_ok=ratio(long_wnw, long_full) is not None and ratio(long_wnw, long_full) <= 1.0)
     other = "qwen_omni" if model != "qwen_omni" else None  # the second family's wnw-run rows, where measured
     if other and f"{other}/{n_audio}/runner_full" in results:
-        o = lambda row: results.get(f"{other}/{n_audio}/{row}", {}).get("ms_per_token")  # noqa: E731
+        o = partial(at, other, n_audio)
         t.update({f"{other}_runner_full_over_engine": ratio(o("runner_full"), o("engine_full")),
                   f"{other}_runner_wnw_over_engine": ratio(o(f"runner_wnw_r{r}"), o(f"engine_wnw_r{r}"))})
     t["runner_ok"] = all(x is not None and x <= 1.10 for k, x in t.items() if "runner" in k and k.endswith("_engine"))

@@ -496,15 +496,15 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             waiting_for_room = False
 
 
-def default_pool(backbone: Backbone, fraction: float = 0.8):
-    """On CUDA, a `KVPool` of `fraction` of the device memory free now (the budget batched streams share); None on
-    other devices (streams then allocate their own)."""
+def default_pool(backbone: Backbone, gb: float | None = None, fraction: float = 0.8):
+    """On CUDA, a `KVPool` of `gb` GB, or (None) `fraction` of the device memory free now: the budget batched
+    streams share; None on other devices (streams then allocate their own)."""
     if backbone.device.type != "cuda":
         return None
     from wnw_exp.kv.pool import KVPool
 
-    free, _ = torch.cuda.mem_get_info(backbone.device)
-    return KVPool.of_bytes(free * fraction, backbone.head_dim, backbone.dtype, backbone.device)
+    budget = gb * 1e9 if gb is not None else torch.cuda.mem_get_info(backbone.device)[0] * fraction
+    return KVPool.of_bytes(budget, backbone.head_dim, backbone.dtype, backbone.device)
 
 
 def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:

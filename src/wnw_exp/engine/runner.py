@@ -261,12 +261,7 @@ def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
     pool = None
     if path.get("store") != "reference":
         gb = cfg.get("kv_pool_gb")
-        if gb is not None and backbone.device.type == "cuda":
-            from wnw_exp.kv.pool import KVPool
-
-            pool = KVPool.of_bytes(gb * 1e9, backbone.head_dim, backbone.dtype, backbone.device)
-        else:
-            pool = default_pool(backbone)
+        pool = default_pool(backbone, gb)
         if gb is not None and pool is None:
             warnings.warn(f"kv_pool_gb={gb}: the KV pool is the GPU's; on {backbone.device.type} each stream has its "
                           "own store", stacklevel=2)

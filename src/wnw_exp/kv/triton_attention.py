@@ -29,10 +29,13 @@ BLOCK_N = 64
 
 
 def dot_precision(dtype: torch.dtype, head_dim: int) -> str:
-    """tl.dot's input precision: fp32 stays fp32 ("ieee"; the default TF32 put the packed store 5e-3 off the
-    reference on an H200), except below a head_dim of 16, under the smallest K an IEEE fp32 dot compiles for on
-    Hopper (only tiny test models); bf16/fp16 ignore it."""
-    return "ieee" if dtype == torch.float32 and head_dim >= 16 else "tf32"
+    """How the tiles multiply: "ieee" (fp32 stays fp32; tl.dot's default TF32 put the packed store 5e-3 off the
+    reference on an H200), "tf32"/bf16 for half-precision inputs (tl.dot ignores the setting), or "fma" below a
+    head_dim of 16: Hopper compiles no tl.dot with K < 16 in any precision (the H200 refused tiny Qwen's head_dim
+    8 with TF32 too), so tiny test models multiply and sum in fp32 instead."""
+    if head_dim < 16:
+        return "fma"
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -40,13 +43,19 @@ def _online_softmax_tile(q, k, v, ok, m, lsum, acc, scale, PRECISION: tl.constex
     """One tile of keys through split-K decoding's online softmax (both partial kernels): scores of the query
     group against the tile's keys (`ok` masks the keys that exist), the running max `m`, sum `lsum` and weighted
     values `acc` rescaled to the new max."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+    if PRECISION == "fma":  # K < 16: no tl.dot compiles on Hopper (tiny test models only)
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
     s = tl.where(ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     lsum = lsum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    if PRECISION == "fma":
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, lsum, acc
 
 

@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not a.smoke and time.perf_counter() - t_start > a.deadline_s:
             rows.append(dict(kind="throughput", method=method, audio_tokens=n_audio, graph=graph,
                              skipped=f"not started: past --deadline-s {a.deadline_s:g}", **meta))
+            print(json.dumps(rows[-1]), flush=True)  # the record says which rows are missing and why
+            if out is not None:
+                out.write_text(json.dumps(rows, indent=1))
             continue
         if n_audio not in backbones:
             backbones[n_audio] = ds.make_backbone(model, n_audio)

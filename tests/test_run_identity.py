@@ -132,3 +132,21 @@ def test_metrics_report_and_console_count_the_samples_the_configuration_selects(
     assert report.metrics == metrics
     row = out.stdout.splitlines()[1].split()
     assert row[4] == "2" and float(row[6]) == pytest.approx(metrics["wer"], abs=0.01)  # n and WER% on the console
+
+
+def test_trained_weights_are_in_the_identity(tmp_path):
+    """The embedded models' trained weights change while their config does not: their bytes are in the identity
+    (a run directory never mixes two weight versions); a copy of the same bytes elsewhere gives the same one."""
+    a, b, c = (tmp_path / n for n in "abc")
+    for d, payload in ((a, b"version 1"), (b, b"version 2"), (c, b"version 1")):
+        d.mkdir()
+        (d / "projector.safetensors").write_bytes(payload)
+    ids = {d: identity(config("model=whisper_smollm2", f"model.trained_dir={d}")) for d in (a, b, c)}
+    # trained_dir itself is a result key (a path), so compare the fingerprint and the hash without it
+    assert ids[a]["model_weights"] == ids[c]["model_weights"] != ids[b]["model_weights"]
+    assert identity_hash(config("model=whisper_smollm2")) != identity_hash(
+        config("model=whisper_smollm2", f"model.trained_dir={b}"))
+    assert "model_weights" not in identity(config("model=tiny_random"))  # built from a seed: nothing to hash
+    assert "model_weights" not in identity(config("model=voxtral"))  # the user's hub folder: its path is the key
+    (a / "projector.safetensors").write_bytes(b"version 3")  # trained further in place: a new identity
+    assert identity(config("model=whisper_smollm2", f"model.trained_dir={a}"))["model_weights"] != ids[a]["model_weights"]

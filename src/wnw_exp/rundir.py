@@ -42,8 +42,14 @@ NOT_IDENTITY = ("runs_root", "progress", "device", "engine", "batch_size", "kv_p
 
 
 def identity(cfg: Mapping) -> dict:
-    """The result-affecting part of a resolved config: all of it but NOT_IDENTITY."""
+    """The result-affecting part of a resolved config: all of it but NOT_IDENTITY, plus, for a model whose trained
+    weights ship with the package (or sit in `model.trained_dir`), their fingerprint (`model_weights`): weights
+    trained further give a new directory rather than a mix of two versions' samples."""
+    from wnw_exp.shipped_weights import weights_fingerprint
+
     out = json.loads(json.dumps(dict(cfg), default=str))
+    if isinstance(out.get("model"), dict) and (fp := weights_fingerprint(out["model"])) is not None:
+        out["model_weights"] = fp
     for dotted in NOT_IDENTITY:
         *parents, leaf = dotted.split(".")
         node = out

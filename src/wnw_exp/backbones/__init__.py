@@ -7,8 +7,7 @@ from pathlib import Path
 import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt, WeightsNotFoundError, find_weights
-
-TINY_MODEL_DIR = Path(__file__).parent / "tiny_model"
+from wnw_exp.shipped_weights import TINY_MODEL_DIR
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

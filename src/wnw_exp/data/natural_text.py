@@ -2,8 +2,10 @@
 
 Source: passages written by SmolLM2-135M-Instruct (Apache-2.0; the decoder of `model=whisper_smollm2`)
 from fixed prompts, sampled once with a fixed seed on one H200 on 2026-12-01 (`python -m wnw_exp.data.natural_text
-generate --device cuda --batch-size 512`, torch 2.11, transformers 5.17: 3,696 passages in 131 s; another
-device or torch build samples other text) and shipped as `natural_text/passages.jsonl.gz` (1.7 MB):
+generate --device cuda --batch-size 512`, torch 2.11, transformers 5.17: 3,696 passages in 131 s; then, at
+16:22 UTC, `... --splits train` after the train samples per prompt went from 3 to 6: 2,976 more train passages
+in about 100 s, appended, the earlier lines unchanged; another device or torch build samples other text) and
+shipped as `natural_text/passages.jsonl.gz` (3.1 MB; train 742k words, test 42k, calib 42k, dev 9k):
 an offline source with a clear licence, since nothing may be downloaded. The prompts combine a subject
 with a form ("a news report about ...", "a letter to a friend about ..."); the subjects are split
 between test, dev, calib and train (`SPLIT_OF_SUBJECT`), so no test, dev or calibration text is ever
@@ -74,7 +76,7 @@ SUBJECTS = (
 )
 SPLITS = {"test": range(0, 20), "dev": range(20, 30), "calib": range(30, 50), "train": range(50, len(SUBJECTS))}
 SPLIT_OF_SUBJECT = {SUBJECTS[i]: split for split, r in SPLITS.items() for i in r}
-SAMPLES_PER_PROMPT = {"test": 2, "dev": 1, "calib": 2, "train": 3}
+SAMPLES_PER_PROMPT = {"test": 2, "dev": 1, "calib": 2, "train": 6}
 
 _ALLOWED = re.compile(r"^[A-Za-z ,.;:!?'\-]+$")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

@@ -127,3 +127,32 @@ def test_clips_with_unalignable_sentences_still_synthesise():
             espeak.speak(words)
     audio, words = synthesize_clip(1_000_000, 14, min_seconds=60, max_seconds=60)
     assert len(audio) == 60 * SAMPLE_RATE and len(words) > 100
+
+
+def test_shuffled_text_speaks_the_natural_sentences_in_another_word_order():
+    """text="shuffled" (training data the decoder cannot guess): sentence for sentence the words of the natural
+    text the same clip seed gives, each sentence's words permuted; the natural text is unchanged by the option."""
+    from itertools import islice
+
+    from wnw_exp.data.synthetic import _sentence_source
+
+    def first(text, n=12):
+        return list(islice(_sentence_source(text, "train", "en", 1000, np.random.default_rng([5, 9])), n))
+
+    natural, shuffled = first("natural"), first("shuffled")
+    assert [sorted(s) for s in shuffled] == [sorted(s) for s in natural]
+    assert sum(s != t for s, t in zip(shuffled, natural)) >= 10  # 12 sentences of 3-40 words: nearly all moved
+    assert first("natural") == natural
+    _, words = synthesize_clip(3, 4, text="shuffled", text_split="train", **SHORT)
+    _, plain = synthesize_clip(3, 4, text="natural", text_split="train", **SHORT)
+    assert [w.text for w in words] != [w.text for w in plain]  # the clip speaks them (timed words, same voice)
+
+
+def test_the_trainers_shuffled_share_is_drawn_per_clip_index():
+    from wnw_exp.train.projector import NaturalClips
+
+    clips = NaturalClips(None, 0, 0, None, ((1.0, 20, 240),), 32, shuffle=0.3)
+    texts = [clips.text_of(i) for i in range(4000)]
+    assert texts == [clips.text_of(i) for i in range(4000)]  # a resumed session speaks the same clips
+    assert abs(texts.count("shuffled") / 4000 - 0.3) < 0.03
+    assert {NaturalClips(None, 0, 0, None, ((1.0, 20, 240),), 32).text_of(i) for i in range(50)} == {"natural"}

@@ -4,18 +4,21 @@
 # decoder) from INIT (default: the shipped folder) for MIN minutes on natural-text synthetic speech, export
 # them to $OUT at once (trained.tar), then a dev eval on DEV_N clips of 2-4 min (plain generate(), bf16) with
 # at most EVAL_S seconds. Everything also stays in /root/stash for a following call on the same machine.
-# FRAME_LOSS > 0 adds the frame loss; STAGES (JSON, see --stages) overrides the clip-length schedule. History: training_log.md.
+# FRAME_LOSS > 0 adds the frame loss; STAGES (JSON, see --stages) overrides the clip-length schedule; LR/LORA_LR the peak
+# learning rates; SHUFFLE the share of training clips whose words are spoken in a random order. The dev predictions are
+# written group by group (a cut-short eval keeps what it decoded). History: training_log.md.
 set -uo pipefail
 source scripts/gpu/env.sh || exit 1
 MIN=${MIN:-7.0} DEV_N=${DEV_N:-6} EVAL_S=${EVAL_S:-200} WORKERS=${WORKERS:-14} FRAME_LOSS=${FRAME_LOSS:-0}
-LORA_LR=${LORA_LR:-3e-4} STAGES=${STAGES:-}
+LR=${LR:-1e-3} LORA_LR=${LORA_LR:-3e-4} STAGES=${STAGES:-} SHUFFLE=${SHUFFLE:-0}
 INIT=${INIT:-src/wnw_exp/backbones/whisper_smollm2}
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 RUN=/root/stash/run-$(date +%H%M); CORPUS=src/wnw_exp/data/natural_text/passages.jsonl.gz
 cp $CORPUS /root/stash/passages.jsonl.gz
 t0=$(date +%s)
 python3 -m wnw_exp.train.projector train --run-dir "$RUN" --init-from "$INIT" --minutes "$MIN" --total-steps 100000 \
-  --workers "$WORKERS" --batch-windows 32 --log-every 25 --lora-rank 16 --lr 1e-3 --lora-lr "$LORA_LR" --frame-loss "$FRAME_LOSS" \
+  --workers "$WORKERS" --batch-windows 32 --log-every 25 --lora-rank 16 --lr "$LR" --lora-lr "$LORA_LR" --frame-loss "$FRAME_LOSS" \
+  --shuffle-words "$SHUFFLE" \
   ${STAGES:+--stages "$STAGES"}
 echo "trained at $(( $(date +%s) - t0 )) s"
 python3 -m wnw_exp.train.projector export --run-dir "$RUN" --out /root/stash/trained

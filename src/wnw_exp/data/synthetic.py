@@ -328,7 +328,8 @@ def synthesize_clip(
 
     Deterministic in all its arguments (see the module docstring for the recipe). `text="natural"` speaks
     consecutive sentences of the natural-text corpus's `text_split` passages (English only), from a passage
-    drawn with the clip's generator, instead of random vocabulary words.
+    drawn with the clip's generator, instead of random vocabulary words; `text="shuffled"` the same sentences
+    with each one's words in a random order.
     """
     if not 0 < min_seconds <= max_seconds:
         raise ValueError(f"need 0 < min_seconds <= max_seconds, got {min_seconds}, {max_seconds}")
@@ -381,7 +382,7 @@ def synthesize_clip(
     return audio16, words_out
 
 
-TEXTS = ("random", "natural")
+TEXTS = ("random", "natural", "shuffled")
 
 
 def _sentence_source(text: str, text_split: str | None, language: str, vocab_size: int,
@@ -392,7 +393,7 @@ def _sentence_source(text: str, text_split: str | None, language: str, vocab_siz
         while True:
             n_words = int(rng.integers(SENTENCE_WORDS[0], SENTENCE_WORDS[1] + 1))
             yield [vocab[k] for k in rng.integers(len(vocab), size=n_words)]
-    if text != "natural":
+    if text not in ("natural", "shuffled"):
         raise ValueError(f"synthetic text={text!r}: choose one of {', '.join(TEXTS)}")
     if language != "en":
         raise ValueError("natural text is English only: use dataset.language=en or dataset.text=random")
@@ -402,7 +403,10 @@ def _sentence_source(text: str, text_split: str | None, language: str, vocab_siz
     p = int(rng.integers(len(passages)))
     while True:  # consecutive passages of the split from a random one, wrapping around
         for sentence in passages[p % len(passages)]:
-            yield sentence.split()
+            words = sentence.split()
+            # "shuffled": the same words in a random order (each keeps its case and punctuation): speech whose
+            # transcript a language model cannot guess, for training a decoder to read the audio
+            yield [words[i] for i in rng.permutation(len(words))] if text == "shuffled" else words
         p += 1
 
 

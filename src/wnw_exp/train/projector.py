@@ -81,11 +81,18 @@ class NaturalClips(IterableDataset):
     """Endless batches of training clips; worker w synthesises clip indices first_index + w, + n_workers, ...
 
     `progress` (a shared multiprocessing.Value, 0 -> 1) is the session's progress; it picks the stage's clip
-    lengths."""
+    lengths. A fraction `shuffle` of the clips (drawn per clip index) speak their sentences with the words in a
+    random order (`text="shuffled"`), which the decoder cannot complete from its own language model."""
 
-    def __init__(self, tokenizer, seed: int, first_index: int, progress, stages, batch_windows: int):
+    def __init__(self, tokenizer, seed: int, first_index: int, progress, stages, batch_windows: int,
+                 shuffle: float = 0.0):
         self.tokenizer, self.seed, self.first_index, self.progress = tokenizer, seed, first_index, progress
-        self.stages, self.batch_windows = stages, batch_windows
+        self.stages, self.batch_windows, self.shuffle = stages, batch_windows, shuffle
+
+    def text_of(self, index: int) -> str:
+        if self.shuffle <= 0:
+            return "natural"
+        return "shuffled" if np.random.default_rng([TRAIN_SEED + self.seed, index, 1]).random() < self.shuffle else "natural"
 
     def __iter__(self):
         info = get_worker_info()
@@ -96,7 +103,8 @@ class NaturalClips(IterableDataset):
             windows, answers, frame_targets, used = [], [], [], 0
             while used < self.batch_windows:
                 try:
-                    audio, words = synthesize_clip(TRAIN_SEED + self.seed, index, text="natural", text_split="train",
+                    audio, words = synthesize_clip(TRAIN_SEED + self.seed, index, text=self.text_of(index),
+                                                   text_split="train",
                                                    voices=VOICES, min_seconds=lo, max_seconds=hi)
                 except RuntimeError:  # espeak could not time a run of sentences: skip that clip
                     index += nw
@@ -186,6 +194,47 @@ def answer_loss(model, embeds: torch.Tensor, rows: torch.Tensor, targets: torch.
     mask = targets != -100
     acc = ((logits.argmax(-1) == targets) & mask).sum() / mask.sum()
     return loss, dict(ce=float(loss), token_acc=float(acc), answer_tokens=int(mask.sum()))
+
+
+HELDOUT_TEXTS = ("natural", "shuffled")
+
+
+def heldout_batch(tokenizer, n: int, text: str = "natural", split: str = "dev", min_seconds: float = 20.0,
+                  max_seconds: float = 60.0) -> dict:
+    """`n` clips of `split` (text never trained on) as one teacher-forced batch: the windows, their counts and the
+    answers' token ids. With `text="shuffled"` the same sentences' words are spoken in a random order: what the
+    decoder gets right there it read from the audio, not guessed from the text before."""
+    from wnw_exp.calibration.scores import answer_token_words
+    from wnw_exp.data.synthetic import SyntheticDataset
+
+    ds = SyntheticDataset(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text=text)
+    windows = [to_windows(s.audio()) for s in ds]
+    return dict(windows=torch.from_numpy(np.concatenate(windows)), n_windows=[len(w) for w in windows],
+                answers=[list(answer_token_words(tokenizer, s.reference)[0]) for s in ds])
+
+
+@torch.no_grad()
+def heldout_loss(model, tokenizer, batch: dict, feats: torch.Tensor) -> dict:
+    """Teacher-forced answer CE and token accuracy of a `heldout_batch` (its features `feats`)."""
+    was_training = model.training
+    model.eval()
+    embeds = audio_embeddings(model, feats)
+    x, rows, targets = sequence_batch(model, tokenizer, embeds, batch["n_windows"], batch["answers"])
+    _, logs = answer_loss(model, x, rows, targets)
+    model.train(was_training)
+    return dict(ce=logs["ce"], token_acc=logs["token_acc"])
+
+
+def heldout_sets(tokenizer, extractor, device, n: int, **kw) -> dict:
+    """{name: (batch, features)}: `n` dev clips of natural text (`heldout`) and the same number with shuffled
+    words (`heldout_shuffled`). In the training log, the gap between the training CE and `heldout_ce` shows the
+    adapters learning the training text; `heldout_shuffled_acc` how much of the speech the model reads."""
+    out = {}
+    for text in HELDOUT_TEXTS:
+        batch = heldout_batch(tokenizer, n, text, **kw)
+        out["heldout" if text == "natural" else f"heldout_{text}"] = (batch, device_features(batch["windows"],
+                                                                                           extractor, device))
+    return out
 
 
 def audio_embeddings(model, feats: torch.Tensor) -> torch.Tensor:
@@ -291,11 +340,13 @@ def train(args: argparse.Namespace) -> None:
     stages = tuple(tuple(s) for s in json.loads(args.stages)) if args.stages else DEFAULT_STAGES
     step, first_step = meta["step"], meta["step"]
     progress = mp.Value("d", 0.0)
-    stream = NaturalClips(tokenizer, args.seed, meta["next_index"], progress, stages, args.batch_windows)
+    stream = NaturalClips(tokenizer, args.seed, meta["next_index"], progress, stages, args.batch_windows,
+                          shuffle=args.shuffle_words)
     loader = DataLoader(stream, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda",
                         prefetch_factor=4 if args.workers else None)
     extractor = WhisperFeatureExtractor(feature_size=80)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    heldout = heldout_sets(tokenizer, extractor, device, args.heldout) if args.heldout else {}
     log_f = open(run / "train_log.jsonl", "a")
     session = dict(started_step=meta["step"], args=vars(args), start_time=time.strftime("%Y-%m-%d %H:%M:%S"),
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
@@ -350,6 +401,9 @@ def train(args: argparse.Namespace) -> None:
             rec.update(step=step, lr_scale=round(lr_scale, 4), seconds=round(meta["train_seconds"] + time.time() - t0, 1),
                        clip_seconds=list(stage_at(progress.value, stages)), data_wait=round(data_wait, 1),
                        lora_rank=lora_rank)
+            for name, (hb, hf) in heldout.items():
+                with autocast:
+                    rec.update({f"{name}_{k}": v for k, v in heldout_loss(model, tokenizer, hb, hf).items()})
             write_log(log_f, rec)
             acc.clear()
             n_acc = 0
@@ -411,7 +465,10 @@ def greedy_transcribe(model, tokenizer, audios: list[np.ndarray], device, caps: 
     return out
 
 
-def evaluate(model, tokenizer, device, n: int, split: str, min_seconds: float, max_seconds: float) -> dict:
+def evaluate(model, tokenizer, device, n: int, split: str, min_seconds: float, max_seconds: float,
+             predictions: Path | None = None) -> dict:
+    """Greedy WER on `n` clips of `split`; with `predictions`, each group of clips (one batch of generate()) is
+    appended to that file as it finishes, so a call cut short keeps what it decoded."""
     from wnw_exp.data.synthetic import SyntheticDataset
     from wnw_exp.engine.decode import max_new_tokens_for
     from wnw_exp.metrics.text import corpus_wer
@@ -422,12 +479,24 @@ def evaluate(model, tokenizer, device, n: int, split: str, min_seconds: float, m
     audios = [s.audio() for s in samples]
     t_synth = time.time() - t0
     caps = [max_new_tokens_for(len(a) / SAMPLE_RATE, 5.0, 24) for a in audios]
-    res = greedy_transcribe(model, tokenizer, audios, device, caps)
+    if predictions is not None:
+        Path(predictions).write_text("")
+    groups = defaultdict(list)  # clips of one window count share a prompt length: one generate() batch
+    for i, a in enumerate(audios):
+        groups[max(1, math.ceil(len(a) / WINDOW_SAMPLES))].append(i)
+    res: list = [None] * len(samples)
+    for _, idx in sorted(groups.items()):
+        for i, r in zip(idx, greedy_transcribe(model, tokenizer, [audios[i] for i in idx], device,
+                                               [caps[i] for i in idx])):
+            res[i] = r
+        if predictions is not None:
+            with open(predictions, "a") as f:
+                for i in idx:
+                    f.write(json.dumps(dict(id=samples[i].id, reference=samples[i].reference, hypothesis=res[i][0],
+                                            terminated=res[i][1])) + "\n")
     pairs = [(s.reference, h) for s, (h, _) in zip(samples, res)]
     return dict(split=split, n=n, clip_seconds=[min_seconds, max_seconds], wer=round(corpus_wer(pairs), 3),
-                terminated=sum(e for _, e in res), synth_s=round(t_synth, 1), decode_s=round(time.time() - t0 - t_synth, 1),
-                predictions=[dict(id=s.id, reference=s.reference, hypothesis=h, terminated=e)
-                             for s, (h, e) in zip(samples, res)])
+                terminated=sum(e for _, e in res), synth_s=round(t_synth, 1), decode_s=round(time.time() - t0 - t_synth, 1))
 
 
 def eval_cmd(args: argparse.Namespace) -> None:
@@ -435,15 +504,27 @@ def eval_cmd(args: argparse.Namespace) -> None:
     model, tokenizer = load_run(Path(args.run_dir) if args.run_dir else None,
                                 Path(args.trained_dir) if args.trained_dir else None, device,
                                 torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
-    res = evaluate(model, tokenizer, device, args.n, args.split, args.min_seconds, args.max_seconds)
-    summary = {k: v for k, v in res.items() if k != "predictions"}
+    summary = evaluate(model, tokenizer, device, args.n, args.split, args.min_seconds, args.max_seconds,
+                       Path(args.predictions) if args.predictions else None)
     if args.run_dir:
         summary["step"] = torch.load(Path(args.run_dir) / "state.pt", map_location="cpu", weights_only=False)["meta"]["step"]
         with open(Path(args.run_dir) / "eval_log.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
-    if args.predictions:
-        Path(args.predictions).write_text("".join(json.dumps(p) + "\n" for p in res["predictions"]))
     print("eval", json.dumps(summary), flush=True)
+
+
+def probe(args: argparse.Namespace) -> None:
+    """Teacher-forced CE and token accuracy of a trained folder on dev clips of natural and of shuffled text."""
+    from transformers import WhisperFeatureExtractor
+
+    device = _device(args.device)
+    model, tokenizer = load_run(None, Path(args.trained_dir) if args.trained_dir else None, device)
+    sets = heldout_sets(tokenizer, WhisperFeatureExtractor(feature_size=80), device, args.n, split=args.split,
+                        min_seconds=args.min_seconds, max_seconds=args.max_seconds)
+    res = dict(split=args.split, n=args.n, clip_seconds=[args.min_seconds, args.max_seconds])
+    for name, (batch, feats) in sets.items():
+        res.update({f"{name}_{k}": round(v, 4) for k, v in heldout_loss(model, tokenizer, batch, feats).items()})
+    print("probe", json.dumps(res), flush=True)
 
 
 def export(args: argparse.Namespace) -> None:
@@ -484,6 +565,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--stages", default=None, help="JSON [[fraction, min_s, max_s], ...]")
     t.add_argument("--match-embedding-scale", type=int, default=1, help="1: rescale a fresh projector's output")
     t.add_argument("--frame-loss", type=float, default=0.0, help="weight of the frame loss (0: off)")
+    t.add_argument("--shuffle-words", type=float, default=0.0,
+                   help="fraction of the training clips that speak their sentences' words in a random order")
+    t.add_argument("--heldout", type=int, default=8,
+                   help="dev clips (natural, and shuffled words) whose teacher-forced CE each log line has (0: none)")
     t.add_argument("--init-from", default=None, help="a trained folder (projector.safetensors, lora.safetensors) "
                                                      "to start a fresh run from")
     t.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
@@ -501,11 +586,18 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--device", default="auto")
     e.add_argument("--predictions", default=None)
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    pr = sub.add_parser("probe", help="teacher-forced CE/accuracy on dev clips of natural and of shuffled text")
+    pr.add_argument("--trained-dir", default=None)
+    pr.add_argument("--n", type=int, default=4)
+    pr.add_argument("--split", default="dev")
+    pr.add_argument("--min-seconds", type=float, default=20.0)
+    pr.add_argument("--max-seconds", type=float, default=40.0)
+    pr.add_argument("--device", default="auto")
     x = sub.add_parser("export")
     x.add_argument("--run-dir", required=True)
     x.add_argument("--out", default=str(TRAINED_DIR))
     args = ap.parse_args(argv)
-    {"train": train, "eval": eval_cmd, "export": export}[args.command](args)
+    {"train": train, "eval": eval_cmd, "probe": probe, "export": export}[args.command](args)
 
 
 if __name__ == "__main__":

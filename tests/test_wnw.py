@@ -438,6 +438,51 @@ def test_device_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_
         assert dev.recalled.numpy().tolist() == host.recalled.tolist()
 
 
+@pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta", [(1000, 25, 50, 3, 3), (110, 25, 50, 3, 3), (60, 25, 50, 3, 3),
+                                                         (1037, 25, 30, 2, 1), (400, 10, 20, 1, 4), (20, 25, 50, 3, 3)])
+def test_fused_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c, top_k, delta):
+    """The one-launch Triton decision (`FusedChunkSwap`, Triton's interpreter on the CPU) gives `ChunkSwap`'s
+    chunks, recalls and releases at every step, ties included, records them at its counter, counts the recalled
+    segments, and zeroes the scores for the next step."""
+    pytest.importorskip("triton")
+    from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
+
+    host = triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta)
+    dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, torch.device("cpu"))
+    steps = 40
+    records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool),
+                   recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
+                   release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
+                   resident=torch.zeros(steps + 2, dtype=torch.long))
+    t = torch.zeros((), dtype=torch.long)
+    fused = FusedChunkSwap(dev, records, t, n_s, n_c, top_k, delta)
+    g = torch.Generator().manual_seed(n_audio + top_k)
+    for step in range(steps):
+        kind = step % 4
+        if kind == 0:
+            a = torch.rand(n_audio, generator=g) ** 8  # peaked
+        elif kind == 1:
+            a = torch.zeros(n_audio)  # every chunk ties
+        elif kind == 2:
+            a = torch.zeros(n_audio)
+            a[torch.randint(0, n_audio, (3,), generator=g)] = 1.0  # plateaus of equal means
+        else:
+            a = torch.softmax(torch.randn(n_audio, generator=g) * 3, 0).float()
+        selected, recall, release = host.step(a.clone())
+        scores = a.clone()
+        f_sel, f_rec, f_rel = fused(scores)
+        assert f_sel.nonzero().flatten().tolist() == selected
+        assert f_rec.nonzero().flatten().tolist() == recall
+        assert f_rel.nonzero().flatten().tolist() == release
+        assert dev.recalled.numpy().tolist() == host.recalled.tolist()
+        assert int(t) == step + 1 and not scores.any()
+        assert records["selected"][step].nonzero().flatten().tolist() == selected
+        assert records["recall"][step].nonzero().flatten().tolist() == recall
+        assert records["release"][step].nonzero().flatten().tolist() == release
+        assert int(records["resident"][step]) == int(host.recalled.sum())
+    assert not records["selected"][steps:].any()
+
+
 def _pair(lag=1, n_audio=100):
     """make_policy's WnW on the reference store (host swap) and on the packed store (device swap)."""
     from wnw_exp.kv.packed import PackedAudioKVStore

@@ -221,6 +221,12 @@ class WnW(Policy):
             self._held_masks = (torch.zeros(n_seg, dtype=torch.bool, device=dev),
                                 torch.zeros(n_seg, dtype=torch.bool, device=dev))
             self._pairs: tuple[torch.Tensor, ...] | None = None  # built at the first chunk swap
+            self._fused_swap = None  # with the store's Triton kernels: the decision and its records in one launch
+            if getattr(store, "kernels", None) == "triton":
+                from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
+
+                self._fused_swap = FusedChunkSwap(self.device_swap, self._rec, self._t, self.n_s, self.n_c,
+                                                  self.top_k, self.delta)
 
     @property
     def recall_headroom(self) -> np.ndarray:
@@ -307,13 +313,16 @@ class WnW(Policy):
 
     def _after_step_device(self) -> None:
         """`after_step` on the device (graph-safe): decide, record the decision, queue the tidal heads' moves."""
-        selected, recall, release = self.device_swap.step(self.scores_acc)
-        self.scores_acc.zero_()
-        t = self._t.view(1)
-        for name, x in (("selected", selected), ("recall", recall), ("release", release),
-                        ("resident", self.device_swap.recalled.sum())):
-            self._rec[name].index_copy_(0, t, x.view(1, *x.shape))
-        self._t += 1
+        if self._fused_swap is not None:  # the same decision, records, counter and score reset, in one launch
+            selected, recall, release = self._fused_swap(self.scores_acc)
+        else:
+            selected, recall, release = self.device_swap.step(self.scores_acc)
+            self.scores_acc.zero_()
+            t = self._t.view(1)
+            for name, x in (("selected", selected), ("recall", recall), ("release", release),
+                            ("resident", self.device_swap.recalled.sum())):
+                self._rec[name].index_copy_(0, t, x.view(1, *x.shape))
+            self._t += 1
         if self.lag == 2:  # queue the previous decision, keep this one for the next step
             held_rec, held_rel = self._held_masks
             (recall, release), now = (held_rec.clone(), held_rel.clone()), (recall, release)

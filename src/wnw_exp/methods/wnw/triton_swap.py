@@ -1,0 +1,131 @@
+"""WnW's per-step chunk-swap decision in one Triton launch (`triage.DeviceChunkSwap.step`'s PyTorch code, the
+specification, is some 25 small kernels; with the decision's records and the score reset around it, some 33).
+
+`FusedChunkSwap`: one program per stream (the kernel takes a grid (B,) of streams whose swaps share n_s, n_c,
+top_k and delta, each with its own audio length, scores and state at its own offsets in flat buffers: a row of
+`meta`; today each stream launches its own, B = 1). The program
+
+1. sums each chunk's anchor scores in float64, in order (chunk c covers tokens [c n_s, min(c n_s + n_c, N))) and
+   divides by the chunk's length: the chunk means;
+2. picks the top_k chunks, one argmax at a time, ties to the earlier chunk (the host's stable sort);
+3. runs the segment state machine: a segment is wanted when a selected chunk covers it; recall = wanted and not
+   recalled; a recalled segment no chosen chunk covers for `delta` consecutive steps is released;
+4. writes the masks (selected, recall, release) and, at the stream's decision counter t, its records (the masks and
+   the number of recalled segments), increments t and zeroes the scores for the next step.
+
+The chunk sums are direct float64 sums where the PyTorch specification differences float64 prefix sums: the two
+can differ in the last bits, which changes a decision only where two chunk means tie to ~1e-13 (exact ties, such
+as chunks of zeros, tie in both). Import only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_swap_kernel(meta_ptr, a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr, release_ptr, t_ptr,
+                       rec_sel_ptr, rec_recall_ptr, rec_release_ptr, rec_res_ptr, n_s, n_c, top_k, delta,
+                       C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
+    b = tl.program_id(0)
+    mrow = meta_ptr + b * 7  # the stream's offsets in the flat buffers (FusedChunkSwap.META)
+    a_off = tl.load(mrow + 0)
+    N = tl.load(mrow + 1)
+    seg_off = tl.load(mrow + 2)
+    ch_off = tl.load(mrow + 3)
+    rec_row0 = tl.load(mrow + 4)
+    seg_w = tl.load(mrow + 5)
+    ch_w = tl.load(mrow + 6)
+    n_seg = (N + n_s - 1) // n_s
+    # chunks: start c * n_s while the previous chunk ended before N
+    n_ch = tl.maximum((tl.maximum(N - n_c, 0) + n_s - 1) // n_s + 1, 1)
+    c = tl.arange(0, C_PAD)
+    c_ok = c < n_ch
+    start = c.to(tl.int64) * n_s
+    end = tl.minimum(start + n_c, N)
+    total = tl.zeros([C_PAD], tl.float64)
+    for j in range(0, n_c):  # in order, as one running float64 sum per chunk
+        p = start + j
+        m = c_ok & (p < end)
+        total += tl.load(a_ptr + a_off + p, mask=m, other=0.0).to(tl.float64)
+    length = tl.maximum(end - start, 1).to(tl.float64)
+    mean = tl.where(c_ok, total / length, float("-inf"))
+    k = tl.minimum(top_k, n_ch)
+    selected = tl.zeros([C_PAD], tl.int1)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < n_seg
+    wanted = tl.zeros([S_PAD], tl.int1)
+    for it in range(0, K_MAX):
+        best = tl.argmax(mean, 0, tie_break_left=True)
+        take = it < k
+        selected = selected | ((c == best) & take)
+        mean = tl.where(c == best, float("-inf"), mean)
+        # segments of chunk `best`: from its first token's to its last token's
+        b_start = best.to(tl.int64) * n_s
+        b_end = tl.minimum(b_start + n_c, N)
+        wanted = wanted | (s_ok & take & (s >= b_start // n_s) & (s <= (b_end - 1) // n_s))
+    recalled = tl.load(rec_ptr + seg_off + s, mask=s_ok, other=0) != 0
+    unsel = tl.load(unsel_ptr + seg_off + s, mask=s_ok, other=0)
+    recall = wanted & ~recalled
+    recalled = recalled | wanted
+    unsel = tl.where(wanted, 0, unsel)
+    idle = recalled & ~wanted
+    unsel = unsel + idle.to(unsel.dtype)
+    release = idle & (unsel >= delta)
+    recalled = recalled & ~release
+    unsel = tl.where(release, 0, unsel)
+    tl.store(rec_ptr + seg_off + s, recalled.to(tl.int8), mask=s_ok)
+    tl.store(unsel_ptr + seg_off + s, unsel, mask=s_ok)
+    tl.store(sel_ptr + ch_off + c, selected.to(tl.int8), mask=c_ok)
+    tl.store(recall_ptr + seg_off + s, recall.to(tl.int8), mask=s_ok)
+    tl.store(release_ptr + seg_off + s, release.to(tl.int8), mask=s_ok)
+    # the records, at this stream's decision counter
+    t = tl.load(t_ptr + b)
+    row = rec_row0 + t
+    tl.store(rec_sel_ptr + row * ch_w + c, selected.to(tl.int8), mask=c_ok)
+    tl.store(rec_recall_ptr + row * seg_w + s, recall.to(tl.int8), mask=s_ok)
+    tl.store(rec_release_ptr + row * seg_w + s, release.to(tl.int8), mask=s_ok)
+    tl.store(rec_res_ptr + row, tl.sum(recalled.to(tl.int64), 0))
+    tl.store(t_ptr + b, t + 1)
+    for p0 in range(0, N, 1024):  # the scores start again from zero for the next step
+        p = p0 + tl.arange(0, 1024)
+        tl.store(a_ptr + a_off + p, tl.zeros([1024], tl.float32), mask=p < N)
+
+
+def _i8(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int8) if x.dtype == torch.bool else x
+
+
+class FusedChunkSwap:
+    """`DeviceChunkSwap.step` for one stream in one launch, with the policy's decision records and counter: made
+    once per sample (its offsets are a device tensor, so nothing is allocated per step: graph-safe)."""
+
+    META = ("a_off", "n_audio", "seg_off", "ch_off", "rec_row0", "seg_w", "ch_w")
+
+    def __init__(self, swap, records: dict, t: torch.Tensor, n_s: int, n_c: int, top_k: int, delta: int):
+        dev = swap.recalled.device
+        self.swap, self.records, self.t = swap, records, t
+        self.n_s, self.n_c, self.top_k, self.delta = n_s, n_c, top_k, delta
+        n_audio = swap._c.shape[0] - 1
+        assert records["recall"].shape[1] == swap.n_seg and records["selected"].shape[1] == swap.n_chunks
+        for x in (swap.recalled, swap.unselected, *records.values()):
+            assert x.is_contiguous()
+        self.meta = torch.tensor([[0, n_audio, 0, 0, 0, swap.n_seg, swap.n_chunks]], dtype=torch.int64, device=dev)
+        self.selected = torch.zeros(swap.n_chunks, dtype=torch.bool, device=dev)
+        self.recall = torch.zeros(swap.n_seg, dtype=torch.bool, device=dev)
+        self.release = torch.zeros(swap.n_seg, dtype=torch.bool, device=dev)
+        self.pads = dict(C_PAD=max(16, triton.next_power_of_2(swap.n_chunks)),
+                         S_PAD=max(16, triton.next_power_of_2(swap.n_seg)), K_MAX=max(1, top_k))
+
+    def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decide from `scores` (n_audio,) float32, which it zeroes; returns the (selected, recall, release) masks
+        (the same tensors every step)."""
+        assert scores.is_contiguous() and scores.dtype == torch.float32
+        r, sw = self.records, self.swap
+        _chunk_swap_kernel[(1,)](self.meta, scores, _i8(sw.recalled), sw.unselected, _i8(self.selected),
+                                 _i8(self.recall), _i8(self.release), self.t.view(1), _i8(r["selected"]),
+                                 _i8(r["recall"]), _i8(r["release"]), r["resident"], self.n_s, self.n_c,
+                                 self.top_k, self.delta, **self.pads)
+        return self.selected, self.recall, self.release

@@ -76,6 +76,7 @@ by the GPU) before the next step, so the whole decision can be captured in the s
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -313,8 +314,16 @@ class WnW(Policy):
 
     def _after_step_device(self) -> None:
         """`after_step` on the device (graph-safe): decide, record the decision, queue the tidal heads' moves."""
+        fused = None
         if self._fused_swap is not None:  # the same decision, records, counter and score reset, in one launch
-            selected, recall, release = self._fused_swap(self.scores_acc)
+            try:
+                fused = self._fused_swap(self.scores_acc)
+            except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot compile (the first call is eager)
+                warnings.warn(f"WnW: the one-launch chunk swap failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "deciding with the PyTorch kernels instead", stacklevel=2)
+                self._fused_swap = None
+        if fused is not None:
+            selected, recall, release = fused
         else:
             selected, recall, release = self.device_swap.step(self.scores_acc)
             self.scores_acc.zero_()

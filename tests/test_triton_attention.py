@@ -24,7 +24,7 @@ if not HAS_CUDA:
         pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no CUDA", allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
-from wnw_exp.kv.triton_attention import decode_attention  # noqa: E402
+from wnw_exp.kv.triton_attention import decode_attention, observed_sum  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -81,13 +81,25 @@ def test_matches_reference(n_q, n_kv, n_audio, keep_frac, dtype, head_dim):
     dk[:, n_dense], dv[:, n_dense] = kn, vn
     dense_len = torch.tensor([n_dense + 1], dtype=torch.int32, device=DEVICE)
     probs = torch.full((len(observe), n_audio), 7.0, device=DEVICE)
+    scratch: dict = {}
     out = decode_attention(q.to(DEVICE), dk.to(DEVICE), dv.to(DEVICE), dense_len, ak, av, off, lens, scale,
                            max_audio_per_head=cap, audio_pos=apos,
-                           observe=torch.tensor(observe, dtype=torch.int32, device=DEVICE), probs_out=probs)
+                           observe=torch.tensor(observe, dtype=torch.int32, device=DEVICE), probs_out=probs,
+                           scratch=scratch)
+    # the observers' weights summed over the heads in one launch, each key found through slot_of (position ->
+    # slot within its head's rows), added to what the accumulator held: the reference's weights, summed
+    slot_of = torch.full((n_kv, n_audio), -1, dtype=torch.int32, device=DEVICE)
+    for h in range(n_kv):
+        n = int(lens[h])
+        slot_of[h, apos[h * cap: h * cap + n].long()] = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    acc = torch.full((n_audio,), 0.5, device=DEVICE)
+    observed_sum(q.to(DEVICE), ak, slot_of, off, scratch["lse"], scale,
+                 torch.tensor(observe, dtype=torch.int32, device=DEVICE), acc)
     # fp32 tiles multiply in IEEE fp32 (dot_precision), on CUDA too
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3 if HAS_CUDA else 1e-4
     torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(probs.cpu(), ref_probs.float(), atol=tol / 10, rtol=tol)
+    torch.testing.assert_close(acc.cpu(), 0.5 + ref_probs.float().sum(0), atol=tol / 10, rtol=tol)
     # A full softmax row sums to one over dense + audio; the audio share is what the reference reports.
     assert torch.all(probs.sum(-1) <= 1 + 1e-4)
 

@@ -131,8 +131,9 @@ class FusedStep:
                              self.n_q, self.n_kv, self.d)
             self.policy.before_attention(li, self.q)
             obs, probs = self.observe.get(li, (None, None))
-            out = s.attend_device(li, self.q, w.scale, obs, probs)
-            if obs is not None:
+            acc = self.policy.observe_sum(li) if obs is not None else None
+            out = s.attend_device(li, self.q, w.scale, obs, probs, accumulate=acc)
+            if obs is not None and acc is None:
                 self.policy.observe(li, probs)
             delta = _after_attention(self, w, out)
         self._delta = delta
@@ -168,6 +169,11 @@ class BatchedFusedStep:
         self.layers = backbone.fused_layers()
         self.add_rmsnorm, _, self.silu_mul = _ops(kernels)
         self.rope_append, self.attention, self.probs = _batched_ops(kernels)
+        self.observe_sum = None  # the fused sum of observer weights (Triton only; torch: probs, then their sum)
+        if kernels == "triton":
+            from wnw_exp.kv.triton_attention import observed_sum
+
+            self.observe_sum = observed_sum
         self.embed = backbone.embed_tokens.weight
         self.norm_f, self.eps_f = backbone.final_norm.weight, float(backbone.final_norm.variance_epsilon)
         self.lm_w, self.lm_b = backbone.lm_head.weight, backbone.lm_head.bias
@@ -232,9 +238,17 @@ class BatchedFusedStep:
                                       self.audio_off[li], alen, w.scale, max_keys=self.max_keys[li],
                                       page_rows=self.page, scratch=self._scratch[li])
             for b, heads, probs in self.observe[li]:
+                acc = self.streams[b].policy.observe_sum(li)
+                if acc is not None and self.observe_sum is not None:  # the sum over the heads in one launch
+                    self.observe_sum(self.q[b], pool.k, stores[b].slot_of[li * H:(li + 1) * H],
+                                     self.audio_off[li, b], lse[b], w.scale, heads, acc)
+                    continue
                 self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
                            probs, stores[b]._max_cap)
-                self.streams[b].policy.observe(li, probs)
+                if acc is not None:
+                    acc += probs.sum(dim=0)
+                else:
+                    self.streams[b].policy.observe(li, probs)
             delta = _after_attention(self, w, out)
         self._delta = delta
 

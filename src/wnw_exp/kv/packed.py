@@ -469,18 +469,36 @@ class PackedAudioKVStore(StepAccounting):
 
     # --- attention ----------------------------------------------------------------------------
     def attend_device(self, layer: int, q: torch.Tensor, scale: float, observe: torch.Tensor | None = None,
-                      probs_out: torch.Tensor | None = None) -> torch.Tensor:
+                      probs_out: torch.Tensor | None = None, accumulate: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of one layer over the state as it is (the step's key already appended at `dense_len`, read
-        up to `dense_len_next`). Graph-safe."""
+        up to `dense_len_next`). Graph-safe. With `observe`: `probs_out` gets the observer heads' softmax weights
+        at audio positions; or, with `accumulate` (n_audio,), their sum over the heads is added to it instead
+        (with Triton kernels in one launch through `slot_of`, `probs_out` left alone)."""
         H = self.n_kv_heads
-        fn = attention_torch
+        rows = slice(layer * H, (layer + 1) * H)
         if self.kernels == "triton":
-            from wnw_exp.kv.triton_attention import decode_attention as fn
+            from wnw_exp.kv.triton_attention import decode_attention, observed_sum
+
+            dk, dv = self._dense(layer)
+            fused_sum = observe is not None and accumulate is not None
+            out = decode_attention(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v, self._offsets[rows],
+                                   self.audio_len[layer], scale, max_audio_per_head=self._max_cap,
+                                   audio_pos=self.audio_pos, observe=None if fused_sum else observe,
+                                   probs_out=probs_out, scratch=self._scratch[layer])
+            if fused_sum:
+                observed_sum(q, self.audio_k, self.slot_of[rows], self._offsets[rows], self._scratch[layer]["lse"],
+                             scale, observe, accumulate)
+            elif observe is not None and accumulate is not None:
+                accumulate += probs_out.sum(dim=0)
+            return out
         dk, dv = self._dense(layer)
-        return fn(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v,
-                  self._offsets[layer * H:(layer + 1) * H], self.audio_len[layer], scale,
-                  max_audio_per_head=self._max_cap, audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
-                  scratch=self._scratch[layer])
+        out = attention_torch(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v, self._offsets[rows],
+                              self.audio_len[layer], scale, max_audio_per_head=self._max_cap,
+                              audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
+                              scratch=self._scratch[layer])
+        if observe is not None and accumulate is not None:  # the specification: the weights, then their sum
+            accumulate += probs_out.sum(dim=0)
+        return out
 
     def _dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's dense K and V, (H_kv, n_text + dense_capacity, D): the store's own buffers, or in a pool its

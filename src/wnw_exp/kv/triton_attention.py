@@ -143,6 +143,47 @@ def _probs_kernel(q_ptr, ak_ptr, apos_ptr, aoff_ptr, alen_ptr, lse_ptr, obs_ptr,
     tl.store(probs_ptr + i.to(tl.int64) * n_audio + pos, tl.exp(s - lse), mask=ok)
 
 
+@triton.jit
+def _observe_sum_kernel(q_ptr, ak_ptr, slot_of_ptr, off_ptr, lse_ptr, obs_ptr, acc_ptr, scale, n_obs, N,
+                        s_ak_n, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """acc[p] += sum over the observer query heads of their softmax weight at audio position p: one program per
+    block of positions, each head's key found through the store's slot_of (position -> slot of its KV head's row),
+    so every position is written by one program (no atomics: the same sums at every run)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_n = p < N
+    cols = tl.arange(0, D)
+    local = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, n_obs):  # in the order of the observer heads, as probs.sum(0) over their rows
+        qh = tl.load(obs_ptr + i)
+        h = qh // G
+        slot = tl.load(slot_of_ptr + h.to(tl.int64) * N + p, mask=in_n, other=-1)
+        ok = slot >= 0
+        arow = (tl.load(off_ptr + h) + slot).to(tl.int64)
+        k = tl.load(ak_ptr + arow[:, None] * s_ak_n + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + qh * D + cols).to(tl.float32)
+        sc = tl.sum(k * q[None, :], axis=1) * scale
+        local += tl.where(ok, tl.exp(sc - tl.load(lse_ptr + qh)), 0.0)
+    acc = tl.load(acc_ptr + p, mask=in_n, other=0.0)
+    tl.store(acc_ptr + p, acc + local, mask=in_n)
+
+
+def observed_sum(q: torch.Tensor, audio_k: torch.Tensor, slot_of: torch.Tensor, audio_off: torch.Tensor,
+                 lse: torch.Tensor, scale: float, observe: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """`acc` (n_audio,) float32 += the softmax weights of the observer heads `observe` (int32 query heads) at each
+    audio position, summed over the heads, in one launch: q (H_q, D) after RoPE, the layer's `slot_of` (H_kv,
+    n_audio) int32 (slot within the row, -1: not resident), `audio_off` (H_kv,) the rows' first slot in `audio_k`,
+    `lse` (H_q,) the attention's log-sum-exp. What `observed_probs` + `probs.sum(0)` give, without the
+    (n_obs, n_audio) buffer and its three extra launches."""
+    H_q, D = q.shape
+    N = acc.shape[0]
+    assert slot_of.is_contiguous() and slot_of.shape[1] == N and acc.is_contiguous() and audio_k.stride(1) == 1
+    BLOCK = 128
+    _observe_sum_kernel[(triton.cdiv(N, BLOCK),)](q.contiguous(), audio_k, slot_of, audio_off, lse, observe, acc,
+                                                  scale, len(observe), N, audio_k.stride(0), G=H_q // slot_of.shape[0],
+                                                  D=D, BLOCK=BLOCK)
+    return acc
+
+
 def n_splits_for(max_keys: int, n_kv_heads: int, target_programs: int = 264) -> tuple[int, int]:
     """(tiles per split, number of splits) for a per-head key bound: enough programs to fill the GPU."""
     tiles_total = max(1, triton.cdiv(max_keys, BLOCK_N))

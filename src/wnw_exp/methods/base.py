@@ -102,6 +102,13 @@ class Policy:
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         """At decode, after attention of `layer`: (len(observe_heads(layer)), n_audio) softmax weights."""
 
+    def observe_sum(self, layer: int) -> torch.Tensor | None:
+        """Instead of `observe`, for a method that only sums its observer heads' weights: a (n_audio,) float32
+        tensor to which the fused steps add, after attention of `layer`, the sum over `observe_heads(layer)` of
+        their softmax weights at each audio position (with Triton kernels in one launch, no weights buffer).
+        None (the default): `observe` gets the weights."""
+        return None
+
     def after_prefill(self) -> None:
         """After every layer's `place` (and the store's compaction): decisions in force at decode step 0."""
 

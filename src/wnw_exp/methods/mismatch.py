@@ -68,6 +68,9 @@ class MismatchRecorder:
         self._inner_heads[layer] = list(self.inner.observe_heads(layer))
         return list(range(self.ctx.n_q_heads))
 
+    def observe_sum(self, layer: int) -> None:
+        return None  # the recorder reads every head's weights (`observe`), never only their sum
+
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         wanted = self._inner_heads.get(layer, [])
         if wanted:  # the rows the wrapped policy asked for, in its order

@@ -289,6 +289,10 @@ class WnW(Policy):
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         self.scores_acc += probs.sum(dim=0)
 
+    def observe_sum(self, layer: int) -> torch.Tensor | None:
+        # the anchor signal is the sum of the observer heads' weights: the fused steps may add it in directly
+        return self.scores_acc if self.on_device else None
+
     def after_prefill(self) -> None:
         if self.swap_start == "prefill":
             self.after_step(-1)  # the first decision, from the prompt's last row, in force at decode step 0

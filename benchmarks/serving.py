@@ -36,7 +36,9 @@ prefill chunk), the pool's peak use, requests refused, the GPU, date and command
 token over the wall time from the arrival to the last finish (prefills included); p50/p95: inter-token latency of
 every stream over every token (the prefill chunks interleaved included; a preempted stream's tokens before its
 restart are not); h2d_gb_per_s: host -> device bytes of the recalls (of the runs that finished) over the decode
-steps run at peak concurrency, over their time; preempted: preemptions (a stream restarted from scratch). Then a "latency_bs1" row per method: the
+steps run at peak concurrency, over their time; tokens_per_s_at_peak: the steady state, max_concurrent tokens per step
+over the steps run at peak concurrency (with few requests per wave, tokens_per_s is mostly ramp-up and tail);
+preempted: preemptions (a stream restarted from scratch). Then a "latency_bs1" row per method: the
 same request alone (p50/p95 at batch size 1, the reference for the peak's p95).
 """
 
@@ -108,7 +110,10 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
             h2d[j0: j0 + len(steps)] += steps[: len(h2d) - j0]
     peak_s = sum(stats.step_ms[i] for i in at_peak) / 1e3
     return dict(kind="throughput", method=method, retention=r, audio_tokens=prompt.n_audio, kv_budget_gb=budget_gb,
-                max_concurrent=peak, tokens_per_s=n_tokens / wall, p50_ms=_pct(gaps, 50), p95_ms=_pct(gaps, 95),
+                max_concurrent=peak, tokens_per_s=n_tokens / wall,
+                # the steady state: the tokens of the steps run at peak concurrency (one per stream) over their time
+                tokens_per_s_at_peak=peak * len(at_peak) / peak_s if peak_s else 0.0,
+                p50_ms=_pct(gaps, 50), p95_ms=_pct(gaps, 95),
                 h2d_gb_per_s=float(h2d[at_peak].sum()) / 1e9 / peak_s if peak_s else 0.0,
                 requests=len(caps), finished=len(results), tokens=n_tokens, wall_s=wall,
                 mean_batch=float(np.mean(stats.batch_sizes)) if stats.batch_sizes else 0.0,

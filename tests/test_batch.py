@@ -510,6 +510,8 @@ def test_serving_benchmark_smoke(tmp_path):
         assert x["finished"] == x["requests"] == 6 and x["refused"] == 0
         assert x["pool_peak_gb"] <= x["pool_capacity_gb"] <= x["kv_budget_gb"]  # admission respected the pool
         assert x["tokens_per_s"] > 0 and x["p95_ms"] >= x["p50_ms"] > 0
+        # the steady-state rate is the peak's streams over the peak's median step, give or take the spread
+        assert 0.5 < x["tokens_per_s_at_peak"] * x["step_ms_p50_at_peak"] / 1e3 / x["max_concurrent"] < 2.0
         assert x["preempted"] >= 0 and x["expected_new_tokens"] == 6
     assert tput["full"]["max_concurrent"] == 2
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2

@@ -207,10 +207,20 @@ def heldout_batch(tokenizer, n: int, text: str = "natural", split: str = "dev", 
     from wnw_exp.calibration.scores import answer_token_words
     from wnw_exp.data.synthetic import SyntheticDataset
 
-    ds = SyntheticDataset(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text=text)
+    kw = dict(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text=text)
+    ds = SyntheticDataset(**kw)
+    if n > 1:  # synthesised side by side into the clip cache (dev clips are cached), then read from it
+        with mp.get_context("spawn").Pool(min(n, os.cpu_count() or 1)) as pool:
+            pool.starmap(_synthesise, [(kw, i) for i in range(n)])
     windows = [to_windows(s.audio()) for s in ds]
     return dict(windows=torch.from_numpy(np.concatenate(windows)), n_windows=[len(w) for w in windows],
                 answers=[list(answer_token_words(tokenizer, s.reference)[0]) for s in ds])
+
+
+def _synthesise(kw: dict, i: int) -> None:
+    from wnw_exp.data.synthetic import SyntheticDataset
+
+    SyntheticDataset(**kw)[i].audio()
 
 
 @torch.no_grad()

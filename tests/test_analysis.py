@@ -141,13 +141,14 @@ def test_the_recorder_forwards_every_policy_attribute():
 
     inner = Moving()
     rec = MismatchRecorder(inner)
-    own = {"start", "observe_heads", "observe", "after_step", "trace", "graph_safe", "fork"}
+    own = {"start", "observe_heads", "observe", "observe_sum", "after_step", "trace", "graph_safe", "fork"}
     public = [a for a in dir(Policy) if not a.startswith("_")]
     assert {"packed_store", "recall_headroom", "place", "before_attention", "knobs"} <= set(public)
     for attr in set(public) - own:
         assert getattr(rec, attr) == getattr(inner, attr), attr
     assert rec.packed_store is False and rec.recall_headroom == 7 and rec.name == "moving"
     assert rec.graph_safe is False  # its recording keeps host state per step
+    assert rec.observe_sum(0) is None  # it reads every head's weights, never only their sum
     twin = rec.fork()  # a batch's next sample: a recorder of its own around a fork of the method
     assert isinstance(twin, MismatchRecorder) and twin.inner is not inner and type(twin.inner) is Moving
 

@@ -534,6 +534,11 @@ def probe(args: argparse.Namespace) -> None:
     res = dict(split=args.split, n=args.n, clip_seconds=[args.min_seconds, args.max_seconds])
     for name, (batch, feats) in sets.items():
         res.update({f"{name}_{k}": round(v, 4) for k, v in heldout_loss(model, tokenizer, batch, feats).items()})
+        if args.without_audio:  # the same answers after the features of silence: what the decoder guesses alone
+            silent = device_features(torch.zeros_like(batch["windows"]), WhisperFeatureExtractor(feature_size=80),
+                                     device)
+            res.update({f"{name}_silence_{k}": round(v, 4)
+                        for k, v in heldout_loss(model, tokenizer, batch, silent).items()})
     print("probe", json.dumps(res), flush=True)
 
 
@@ -603,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
     pr.add_argument("--min-seconds", type=float, default=20.0)
     pr.add_argument("--max-seconds", type=float, default=40.0)
     pr.add_argument("--device", default="auto")
+    pr.add_argument("--without-audio", action="store_true",
+                    help="also with the audio replaced by silence (the decoder's guess from the prompt alone)")
     x = sub.add_parser("export")
     x.add_argument("--run-dir", required=True)
     x.add_argument("--out", default=str(TRAINED_DIR))

@@ -73,15 +73,17 @@ def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, a
                     po_ptr, plse_ptr, scale,
                     s_dk_h, s_dk_n, s_ak_n, N_SPLITS,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                    BLOCK: tl.constexpr, TILES: tl.constexpr, HAS_POS: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    BLOCK: tl.constexpr, HAS_POS: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(0)
     sp = tl.program_id(1)
     dlen = tl.load(dlen_ptr)
     aoff = tl.load(aoff_ptr + h)
     alen = tl.load(alen_ptr + h)
     total = dlen + alen
-    start = sp * (TILES * BLOCK)
+    # each head spreads its own keys over all N_SPLITS programs: a head holding a fifth of the audio is a fifth as
+    # deep as the longest one (a split size fixed by the longest head left short heads as deep as long ones)
+    tiles = tl.cdiv(tl.cdiv(total, BLOCK), N_SPLITS)
+    start = sp * (tiles * BLOCK)
     rows = tl.arange(0, G_PAD)
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + (h * G + rows)[:, None] * D + cols[None, :], mask=(rows < G)[:, None], other=0.0)
@@ -89,7 +91,7 @@ def _partial_kernel(q_ptr, dk_ptr, dv_ptr, dlen_ptr, ak_ptr, av_ptr, aoff_ptr, a
     m = tl.full((G_PAD,), -1.0e30, tl.float32)
     lsum = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
-    n_tiles = tl.minimum(tl.cdiv(tl.maximum(total - start, 0), BLOCK), TILES)
+    n_tiles = tl.minimum(tl.cdiv(tl.maximum(total - start, 0), BLOCK), tiles)
     for t in range(0, n_tiles):
         idx = start + t * BLOCK + tl.arange(0, BLOCK)
         in_d = idx < dlen
@@ -184,12 +186,13 @@ def observed_sum(q: torch.Tensor, audio_k: torch.Tensor, slot_of: torch.Tensor, 
     return acc
 
 
-def n_splits_for(max_keys: int, n_kv_heads: int, target_programs: int = 264) -> tuple[int, int]:
-    """(tiles per split, number of splits) for a per-head key bound: enough programs to fill the GPU."""
+def n_splits_for(max_keys: int, n_kv_heads: int, target_programs: int = 264) -> int:
+    """Split-K programs per head for a per-head key bound: enough programs to fill the GPU, none without a tile
+    of the longest head. Each head then spreads its own keys over them (the partial kernels)."""
     tiles_total = max(1, triton.cdiv(max_keys, BLOCK_N))
     want = max(1, target_programs // max(n_kv_heads, 1))
     tiles = max(1, triton.cdiv(tiles_total, want))
-    return tiles, triton.cdiv(tiles_total, tiles)
+    return triton.cdiv(tiles_total, tiles)
 
 
 def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, dense_len: torch.Tensor,
@@ -210,7 +213,7 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
     H_kv = dense_k.shape[0]
     G = H_q // H_kv
     max_keys = dense_k.shape[1] + max_audio_per_head
-    tiles, n_splits = n_splits_for(max_keys, H_kv)
+    n_splits = n_splits_for(max_keys, H_kv)
     key = (H_q, D, n_splits)
     s = scratch if scratch is not None else {}
     if s.get("key") != key:
@@ -226,7 +229,7 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
         q, dense_k, dense_v, dense_len, audio_k, audio_v, audio_off, audio_len,
         audio_pos if audio_pos is not None else audio_len, s["po"], s["plse"], scale,
         dense_k.stride(0), dense_k.stride(1), audio_k.stride(0), n_splits,
-        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, TILES=tiles, HAS_POS=audio_pos is not None,
+        G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N, HAS_POS=audio_pos is not None,
         PRECISION=dot_precision(dense_k.dtype, D),
         num_stages=3 if dense_k.element_size() <= 2 else 1)  # fp32 tiles of 3 stages overflow shared memory
     _combine_kernel[(H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
@@ -243,10 +246,8 @@ def decode_attention(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tens
 # --- a batch of streams: every (stream, KV head) ragged region read from one KV pool (issue 16) ---------------
 @triton.jit
 def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, dlen_ptr, aoff_ptr, alen_ptr, po_ptr, plse_ptr,
-                            scale, N_SPLITS, TILES, N_PAGES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                            scale, N_SPLITS, N_PAGES, H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                             D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
-    # TILES is a runtime argument here (a constexpr in `_partial_kernel`): the batch's key bound changes whenever a
-    # stream joins or leaves, and a constexpr would compile the kernel again for each new value.
     bh = tl.program_id(0)  # stream * H + KV head
     sp = tl.program_id(1)
     b = bh // H
@@ -255,7 +256,8 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, dlen_ptr, aoff
     aoff = tl.load(aoff_ptr + bh).to(tl.int64)
     alen = tl.load(alen_ptr + bh).to(tl.int64)
     total = dlen + alen
-    start = sp * (TILES * BLOCK)
+    tiles = tl.cdiv(tl.cdiv(total, BLOCK), N_SPLITS)  # this (stream, head)'s keys over all splits (`_partial_kernel`)
+    start = sp * (tiles * BLOCK)
     rows = tl.arange(0, G_PAD)
     cols = tl.arange(0, D)
     q = tl.load(q_ptr + (bh * G + rows)[:, None] * D + cols[None, :], mask=(rows < G)[:, None], other=0.0)
@@ -263,7 +265,7 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, dlen_ptr, aoff
     m = tl.full((G_PAD,), -1.0e30, tl.float32)
     lsum = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
-    n_tiles = tl.minimum(tl.cdiv(tl.maximum(total - start, 0), BLOCK), TILES)
+    n_tiles = tl.minimum(tl.cdiv(tl.maximum(total - start, 0), BLOCK), tiles)
     for t in range(0, n_tiles):
         idx = start + t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         in_d = idx < dlen
@@ -291,7 +293,7 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
     B, H_q, D = q.shape
     H, n_pages = dense_table.shape[1:]
     G = H_q // H
-    tiles, n_splits = n_splits_for(max_keys, B * H)
+    n_splits = n_splits_for(max_keys, B * H)
     key = (B, H_q, D, n_splits)
     s = scratch if scratch is not None else {}
     if s.get("key") != key:
@@ -302,7 +304,7 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
     assert pool_k.stride(0) == D and pool_v.stride(0) == D and dense_table.is_contiguous()
     _batched_partial_kernel[(B * H, n_splits)](
         q.contiguous(), pool_k, pool_v, pool_pos, dense_table, dense_len, audio_off, audio_len, s["po"], s["plse"],
-        scale, n_splits, tiles, n_pages, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
+        scale, n_splits, n_pages, H=H, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_N,
         PAGE=int(page_rows), PRECISION=dot_precision(pool_k.dtype, D), num_stages=3 if pool_k.element_size() <= 2 else 1)
     _combine_kernel[(B * H_q,)](s["po"], s["plse"], out, s["lse"], n_splits, D=D,
                                 NS_PAD=max(2, triton.next_power_of_2(n_splits)))

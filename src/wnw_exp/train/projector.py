@@ -193,7 +193,7 @@ def answer_loss(model, embeds: torch.Tensor, rows: torch.Tensor, targets: torch.
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
     mask = targets != -100
     acc = ((logits.argmax(-1) == targets) & mask).sum() / mask.sum()
-    return loss, dict(ce=float(loss), token_acc=float(acc), answer_tokens=int(mask.sum()))
+    return loss, dict(ce=float(loss.detach()), token_acc=float(acc), answer_tokens=int(mask.sum()))
 
 
 HELDOUT_TEXTS = ("natural", "shuffled")
@@ -392,7 +392,7 @@ def train(args: argparse.Namespace) -> None:
             if args.frame_loss:
                 fl = frame_loss(model, embeds, batch["frame_targets"])
                 loss = loss + args.frame_loss * fl
-                logs["frame_ce"] = float(fl)
+                logs["frame_ce"] = float(fl.detach())
         opt.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):
             print(f"step {step}: non-finite loss, skipped", flush=True)

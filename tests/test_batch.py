@@ -347,6 +347,26 @@ def test_batched_ragged_attention_kernel_matches_dense_attention(G):
     observed_probs_torch(args[0][2], args[1], args[3], args[6][2], args[7][2], lse_t[2], 0.2, obs, p2, 190)
     torch.testing.assert_close(p1.cpu(), p2.cpu(), atol=tol / 10, rtol=tol)
     assert float(p1.sum()) > 0
+    # streams 0 and 2 summing their observers' weights into their own accumulators, in one launch (ObserverSum:
+    # each key found through the stream's slot_of) = the weights of observed_probs, summed, added
+    from wnw_exp.kv.triton_attention import ObserverSum
+
+    entries, want = [], []
+    for b, heads in ((0, [0, H * G - 1]), (2, [H * G - 1, 1, 0])):
+        slot_of = torch.full((H, 400), -1, dtype=torch.int32)
+        for h in range(H):
+            p_h = pos[aoff[b, h]: aoff[b, h] + alen[b, h]]
+            ok = p_h >= 0
+            slot_of[h, p_h[ok].long()] = torch.arange(int(alen[b, h]), dtype=torch.int32)[ok]
+        acc = torch.full((400,), 0.25, device=dev)
+        entries.append((b, acc, slot_of.to(dev), heads))
+        w = torch.zeros(len(heads), 400, device=dev)
+        observed_probs_torch(args[0][b], args[1], args[3], args[6][b], args[7][b], lse_t[b], 0.2,
+                             torch.tensor(heads, dtype=torch.int32, device=dev), w, 190)
+        want.append(0.25 + w.sum(0))
+    ObserverSum(entries, dev)(args[0], args[1], args[6], lse, 0.2)
+    for (_, acc, _, _), ref in zip(entries, want):
+        torch.testing.assert_close(acc.cpu(), ref.cpu(), atol=tol / 10, rtol=tol)
 
 
 def test_batched_rope_append_writes_through_the_page_table():

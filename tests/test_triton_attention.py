@@ -24,7 +24,7 @@ if not HAS_CUDA:
         pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no CUDA", allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
 
-from wnw_exp.kv.triton_attention import decode_attention, observed_sum  # noqa: E402
+from wnw_exp.kv.triton_attention import ObserverSum, decode_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -93,8 +93,7 @@ def test_matches_reference(n_q, n_kv, n_audio, keep_frac, dtype, head_dim):
         n = int(lens[h])
         slot_of[h, apos[h * cap: h * cap + n].long()] = torch.arange(n, dtype=torch.int32, device=DEVICE)
     acc = torch.full((n_audio,), 0.5, device=DEVICE)
-    observed_sum(q.to(DEVICE), ak, slot_of, off, scratch["lse"], scale,
-                 torch.tensor(observe, dtype=torch.int32, device=DEVICE), acc)
+    ObserverSum([(0, acc, slot_of, observe)], DEVICE)(q.to(DEVICE), ak, off, scratch["lse"], scale)
     # fp32 tiles multiply in IEEE fp32 (dot_precision), on CUDA too
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3 if HAS_CUDA else 1e-4
     torch.testing.assert_close(out.float().cpu(), ref_out.float(), atol=tol, rtol=tol)

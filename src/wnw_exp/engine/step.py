@@ -169,11 +169,7 @@ class BatchedFusedStep:
         self.layers = backbone.fused_layers()
         self.add_rmsnorm, _, self.silu_mul = _ops(kernels)
         self.rope_append, self.attention, self.probs = _batched_ops(kernels)
-        self.observe_sum = None  # the fused sum of observer weights (Triton only; torch: probs, then their sum)
-        if kernels == "triton":
-            from wnw_exp.kv.triton_attention import observed_sum
-
-            self.observe_sum = observed_sum
+        self.kernels = kernels
         self.embed = backbone.embed_tokens.weight
         self.norm_f, self.eps_f = backbone.final_norm.weight, float(backbone.final_norm.variance_epsilon)
         self.lm_w, self.lm_b = backbone.lm_head.weight, backbone.lm_head.bias
@@ -214,6 +210,17 @@ class BatchedFusedStep:
                     self.observe[li].append((b, torch.tensor(heads, dtype=torch.int32, device=dev),
                                              torch.zeros(len(heads), st.store.n_audio, device=dev)))
         self._scratch: list[dict] = [{} for _ in range(L)]
+        # per layer, with Triton: one ObserverSum over the streams whose methods only sum their observers' weights
+        self.observer_sums: list = [None] * L
+        if kernels == "triton":
+            from wnw_exp.kv.triton_attention import ObserverSum
+
+            for li in range(L):
+                entries = [(b, acc, stores[b].slot_of[li * H:(li + 1) * H], self.streams[b].policy.observe_heads(li))
+                           for b, _, _ in self.observe[li]
+                           if (acc := self.streams[b].policy.observe_sum(li)) is not None]
+                if entries:
+                    self.observer_sums[li] = ObserverSum(entries, dev)
         self.logits: torch.Tensor | None = None
 
     def body(self) -> None:
@@ -237,12 +244,12 @@ class BatchedFusedStep:
             out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, self.table[li], dense_next,
                                       self.audio_off[li], alen, w.scale, max_keys=self.max_keys[li],
                                       page_rows=self.page, scratch=self._scratch[li])
+            if self.observer_sums[li] is not None:  # every summing stream's observers in one launch
+                self.observer_sums[li](self.q, pool.k, self.audio_off[li], lse, w.scale)
             for b, heads, probs in self.observe[li]:
                 acc = self.streams[b].policy.observe_sum(li)
-                if acc is not None and self.observe_sum is not None:  # the sum over the heads in one launch
-                    self.observe_sum(self.q[b], pool.k, stores[b].slot_of[li * H:(li + 1) * H],
-                                     self.audio_off[li, b], lse[b], w.scale, heads, acc)
-                    continue
+                if acc is not None and self.observer_sums[li] is not None:
+                    continue  # summed above
                 self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
                            probs, stores[b]._max_cap)
                 if acc is not None:

@@ -120,6 +120,7 @@ class PackedAudioKVStore(StepAccounting):
         self._rec_rows = torch.zeros(dense_capacity + 2, device=dev, dtype=torch.int64)
         self._n_rec = torch.zeros((), device=dev, dtype=torch.long)  # steps recorded
         self._scratch: list[dict] = [{} for _ in range(L)]  # attention split buffers, reused by a graph
+        self._observer_sums: dict = {}  # layer -> (its tensors' addresses, the ObserverSum made for them)
 
     def _set_layout(self) -> None:
         self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
@@ -477,7 +478,7 @@ class PackedAudioKVStore(StepAccounting):
         H = self.n_kv_heads
         rows = slice(layer * H, (layer + 1) * H)
         if self.kernels == "triton":
-            from wnw_exp.kv.triton_attention import decode_attention, observed_sum
+            from wnw_exp.kv.triton_attention import ObserverSum, decode_attention
 
             dk, dv = self._dense(layer)
             fused_sum = observe is not None and accumulate is not None
@@ -485,11 +486,13 @@ class PackedAudioKVStore(StepAccounting):
                                    self.audio_len[layer], scale, max_audio_per_head=self._max_cap,
                                    audio_pos=self.audio_pos, observe=None if fused_sum else observe,
                                    probs_out=probs_out, scratch=self._scratch[layer])
-            if fused_sum:
-                observed_sum(q, self.audio_k, self.slot_of[rows], self._offsets[rows], self._scratch[layer]["lse"],
-                             scale, observe, accumulate)
-            elif observe is not None and accumulate is not None:
-                accumulate += probs_out.sum(dim=0)
+            if fused_sum:  # its tables are made at the first (eager) step of a sample, then reused
+                key = (accumulate.data_ptr(), observe.data_ptr(), self.slot_of.data_ptr())
+                summer = self._observer_sums.get(layer)
+                if summer is None or summer[0] != key:
+                    summer = self._observer_sums[layer] = (key, ObserverSum(
+                        [(0, accumulate, self.slot_of[rows], observe.tolist())], self.device))
+                summer[1](q, self.audio_k, self._offsets[rows], self._scratch[layer]["lse"], scale)
             return out
         dk, dv = self._dense(layer)
         out = attention_torch(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v, self._offsets[rows],

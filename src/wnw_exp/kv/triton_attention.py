@@ -146,44 +146,77 @@ def _probs_kernel(q_ptr, ak_ptr, apos_ptr, aoff_ptr, alen_ptr, lse_ptr, obs_ptr,
 
 
 @triton.jit
-def _observe_sum_kernel(q_ptr, ak_ptr, slot_of_ptr, off_ptr, lse_ptr, obs_ptr, acc_ptr, scale, n_obs, N,
-                        s_ak_n, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """acc[p] += sum over the observer query heads of their softmax weight at audio position p: one program per
-    block of positions, each head's key found through the store's slot_of (position -> slot of its KV head's row),
-    so every position is written by one program (no atomics: the same sums at every run)."""
+def _observe_sum_kernel(q_ptr, ak_ptr, off_ptr, lse_ptr, slot_tbl, acc_tbl, n_tbl, b_tbl, heads_ptr, nobs_ptr,
+                        scale, s_ak_n, H, H_q, NOBS_MAX, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """For observer entry o (a stream b = b_tbl[o] whose method sums its observer heads' weights): acc_o[p] +=
+    the sum over its heads of their softmax weight at audio position p. One program per (block of positions,
+    entry); each head's key found through the stream's slot_of (position -> slot within its KV head's row), so
+    every position is written by one program (no atomics: the same sums at every run). The entries' slot_of and
+    accumulator live in separate tensors: their addresses come from tables (`ObserverSum`)."""
+    o = tl.program_id(1)
+    N = tl.load(n_tbl + o)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_n = p < N
+    in_n = p < N  # blocks past this stream's audio load and store nothing
+    b = tl.load(b_tbl + o).to(tl.int64)
+    slot_of = tl.load(slot_tbl + o).to(tl.pointer_type(tl.int32))
+    acc_ptr = tl.load(acc_tbl + o).to(tl.pointer_type(tl.float32))
     cols = tl.arange(0, D)
     local = tl.zeros([BLOCK], tl.float32)
-    for i in range(0, n_obs):  # in the order of the observer heads, as probs.sum(0) over their rows
-        qh = tl.load(obs_ptr + i)
+    for i in range(0, tl.load(nobs_ptr + o)):  # in the order of the observer heads, as probs.sum(0) over their rows
+        qh = tl.load(heads_ptr + o * NOBS_MAX + i)
         h = qh // G
-        slot = tl.load(slot_of_ptr + h.to(tl.int64) * N + p, mask=in_n, other=-1)
+        slot = tl.load(slot_of + h.to(tl.int64) * N + p, mask=in_n, other=-1)
         ok = slot >= 0
-        arow = (tl.load(off_ptr + h) + slot).to(tl.int64)
+        arow = (tl.load(off_ptr + b * H + h) + slot).to(tl.int64)
         k = tl.load(ak_ptr + arow[:, None] * s_ak_n + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + qh * D + cols).to(tl.float32)
+        q = tl.load(q_ptr + (b * H_q + qh) * D + cols).to(tl.float32)
         sc = tl.sum(k * q[None, :], axis=1) * scale
-        local += tl.where(ok, tl.exp(sc - tl.load(lse_ptr + qh)), 0.0)
+        local += tl.where(ok, tl.exp(sc - tl.load(lse_ptr + b * H_q + qh)), 0.0)
     acc = tl.load(acc_ptr + p, mask=in_n, other=0.0)
     tl.store(acc_ptr + p, acc + local, mask=in_n)
 
 
-def observed_sum(q: torch.Tensor, audio_k: torch.Tensor, slot_of: torch.Tensor, audio_off: torch.Tensor,
-                 lse: torch.Tensor, scale: float, observe: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """`acc` (n_audio,) float32 += the softmax weights of the observer heads `observe` (int32 query heads) at each
-    audio position, summed over the heads, in one launch: q (H_q, D) after RoPE, the layer's `slot_of` (H_kv,
-    n_audio) int32 (slot within the row, -1: not resident), `audio_off` (H_kv,) the rows' first slot in `audio_k`,
-    `lse` (H_q,) the attention's log-sum-exp. What `observed_probs` + `probs.sum(0)` give, without the
-    (n_obs, n_audio) buffer and its three extra launches."""
-    H_q, D = q.shape
-    N = acc.shape[0]
-    assert slot_of.is_contiguous() and slot_of.shape[1] == N and acc.is_contiguous() and audio_k.stride(1) == 1
+class ObserverSum:
+    """One layer's observer weights summed into each stream's accumulator, every stream in one launch
+    (`_observe_sum_kernel`): what `observed_probs` + `probs.sum(0)` + an add give per stream, without the
+    (n_obs, n_audio) buffer. `entries`: (stream index b, accumulator (n_audio,) float32, the layer's slot_of rows
+    (H_kv, n_audio) int32, observer query heads) per observing stream, tensors that live as long as this object
+    is used (their addresses are in its tables: made once, outside any graph capture)."""
+
     BLOCK = 128
-    _observe_sum_kernel[(triton.cdiv(N, BLOCK),)](q.contiguous(), audio_k, slot_of, audio_off, lse, observe, acc,
-                                                  scale, len(observe), N, audio_k.stride(0), G=H_q // slot_of.shape[0],
-                                                  D=D, BLOCK=BLOCK)
-    return acc
+
+    def __init__(self, entries: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]], device: torch.device):
+        for _, acc, slot_of, _ in entries:
+            assert acc.is_contiguous() and acc.dtype == torch.float32 and slot_of.is_contiguous()
+            assert slot_of.dtype == torch.int32 and slot_of.shape[1] == acc.shape[0]
+        self.entries = entries  # keeps the tensors alive
+        nobs_max = max(len(h) for *_, h in entries)
+        heads = torch.zeros(len(entries), nobs_max, dtype=torch.int32)
+        for o, (*_, h) in enumerate(entries):
+            heads[o, : len(h)] = torch.tensor(h, dtype=torch.int32)
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        self.slot_tbl = as_t([s.data_ptr() for _, _, s, _ in entries])
+        self.acc_tbl = as_t([a.data_ptr() for _, a, _, _ in entries])
+        self.n_tbl = as_t([a.shape[0] for _, a, _, _ in entries])
+        self.b_tbl = as_t([b for b, *_ in entries])
+        self.heads = heads.to(device)
+        self.nobs = as_t([len(h) for *_, h in entries])
+        self.nobs_max = nobs_max
+        self.n_max = max(a.shape[0] for _, a, _, _ in entries)
+        self.H = entries[0][2].shape[0]
+
+    def __call__(self, q: torch.Tensor, audio_k: torch.Tensor, audio_off: torch.Tensor, lse: torch.Tensor,
+                 scale: float) -> None:
+        """q (B, H_q, D) (or (H_q, D): one stream) after RoPE, audio_k the rows the offsets index, audio_off
+        (B, H_kv) (or (H_kv,)) each (stream, KV head)'s first slot row, lse (B, H_q) (or (H_q,)) the attention's
+        log-sum-exp."""
+        H_q, D = q.shape[-2:]
+        assert audio_k.stride(1) == 1 and audio_off.shape[-1] == self.H
+        grid = (triton.cdiv(self.n_max, self.BLOCK), len(self.entries))
+        _observe_sum_kernel[grid](q.contiguous(), audio_k, audio_off.contiguous(), lse.contiguous(), self.slot_tbl,
+                                  self.acc_tbl, self.n_tbl, self.b_tbl, self.heads, self.nobs, scale,
+                                  audio_k.stride(0), self.H, H_q, self.nobs_max, G=H_q // self.H, D=D,
+                                  BLOCK=self.BLOCK)
 
 
 def n_splits_for(max_keys: int, n_kv_heads: int, target_programs: int = 264) -> int:

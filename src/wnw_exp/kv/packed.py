@@ -110,8 +110,8 @@ class PackedAudioKVStore(StepAccounting):
         self._union: int | None = None
         self.dense_k: torch.Tensor | None = None
         self.dense_v: torch.Tensor | None = None
-        self.dense_len = torch.zeros(1, device=dev, dtype=torch.long)
-        self.dense_len_next = torch.ones(1, device=dev, dtype=torch.long)
+        self._lens = torch.tensor([0, 1], device=dev, dtype=torch.long)  # one add advances both (`advance`)
+        self.dense_len, self.dense_len_next = self._lens[0:1], self._lens[1:2]
         self._dense_n = 0  # host copy of dense_len for the eager `attend` (not advanced by graph replays)
         self.layer_audio = [N] * L
         # Per-step records on the device: resident audio tokens and recalled rows; `steps` reads them back.
@@ -549,8 +549,7 @@ class PackedAudioKVStore(StepAccounting):
     def advance(self) -> None:
         """The step's token is in every layer's dense part: the next step appends after it (graph-safe; the host
         count `_dense_n`, which only the eager `attend` reads, follows eager steps)."""
-        self.dense_len += 1
-        self.dense_len_next += 1
+        self._lens += 1  # dense_len and dense_len_next
         if not _capturing():
             self._dense_n += 1
 
@@ -558,6 +557,11 @@ class PackedAudioKVStore(StepAccounting):
     def record_step(self) -> None:
         """Close a decode step on the device: its resident audio tokens and the rows recalled so far (graph-safe;
         the moves it queued must be flushed first)."""
+        if self.kernels == "triton":  # the same four updates in one launch
+            from wnw_exp.kv.triton_moves import record_step
+
+            record_step(self.n_resident, self._recalled, self._n_rec, self._rec_n_gpu, self._rec_rows)
+            return
         at = self._n_rec.view(1)
         self._rec_n_gpu.index_copy_(0, at, self.n_resident.sum().view(1))
         self._rec_rows.index_copy_(0, at, self._recalled.view(1))

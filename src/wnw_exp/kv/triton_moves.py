@@ -10,6 +10,7 @@ past its highest occupied slot) are rebuilt and its queues cleared. The second c
 host mirror, one program per (row, tile of COPY pairs): many reads in flight over PCIe, where one program per row
 would wait on each of its tiles in turn (a slot a release freed in the same flush may receive its rows: it holds
 no position, so nothing attends to it).
+`record_step`: a decode step's accounting (resident tokens, rows recalled so far) in one launch.
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
 """
@@ -159,6 +160,26 @@ def queue_pairs(recall: bool, rows: torch.Tensor, pos: torch.Tensor, select: tor
     _queue_pairs_kernel[(triton.cdiv(n, BLOCK),)](rows, pos, sel, slot_of, on_host.view(torch.int8),
                                                   queue.view(torch.int8), n, N, RECALL=recall,
                                                   HAS_SEL=select is not None, BLOCK=BLOCK)
+
+
+@triton.jit
+def _record_step_kernel(n_res_ptr, R, recalled_ptr, n_rec_ptr, rec_gpu_ptr, rec_rows_ptr, BLOCK: tl.constexpr):
+    total = tl.zeros([BLOCK], tl.int64)
+    for r0 in range(0, R, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        total += tl.load(n_res_ptr + r, mask=r < R, other=0)
+    at = tl.load(n_rec_ptr)
+    tl.store(rec_gpu_ptr + at, tl.sum(total, 0))
+    tl.store(rec_rows_ptr + at, tl.load(recalled_ptr))
+    tl.store(n_rec_ptr, at + 1)
+
+
+def record_step(n_resident: torch.Tensor, recalled: torch.Tensor, n_rec: torch.Tensor, rec_n_gpu: torch.Tensor,
+                rec_rows: torch.Tensor) -> None:
+    """`PackedAudioKVStore.record_step` in one launch: at step n_rec, the resident audio tokens (the sum of
+    n_resident (R,) int64) and the rows recalled so far (`recalled`, () int64); then n_rec += 1."""
+    assert n_resident.is_contiguous() and n_resident.dtype == torch.int64
+    _record_step_kernel[(1,)](n_resident, n_resident.numel(), recalled, n_rec, rec_n_gpu, rec_rows, BLOCK=256)
 
 
 @triton.jit

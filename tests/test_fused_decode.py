@@ -212,6 +212,18 @@ def test_triton_queueing_inside_a_capture_marks_what_the_torch_queueing_marks(mo
     a, b = stores["torch"], stores["triton"]
     assert torch.equal(a.queued_recall, b.queued_recall) and torch.equal(a.queued_release, b.queued_release)
     assert a.queued_recall.any() and a.queued_release.any()
+    # chosen per segment (WnW's chunk swap): one launch marks what recall/release with the gathered masks mark
+    seg = (pos // 5).contiguous()
+    rec_m = (torch.rand(10, generator=gen) < 0.5).to(dev)
+    rel_m = (torch.rand(10, generator=gen) < 0.5).to(dev)
+    for st in stores.values():
+        st.queued_recall.zero_()
+        st.queued_release.zero_()
+    b.queue_segments(rows, pos, seg, rec_m, rel_m)  # Triton: one launch
+    a.recall(rows, pos, select=rec_m[seg])  # the torch store: the two calls with the gathered masks
+    a.release(rows, pos, select=rel_m[seg])
+    assert torch.equal(a.queued_recall, b.queued_recall) and torch.equal(a.queued_release, b.queued_release)
+    assert a.queued_recall.any() and a.queued_release.any()
 
 
 def test_triton_flush_moves_what_the_torch_flush_moves():

@@ -356,6 +356,20 @@ class PackedAudioKVStore(StepAccounting):
         self.queued_recall.index_put_((r, p), self.queued_recall[r, p] | new)
         return int(new.sum())
 
+    def queue_segments(self, rows: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+                       recall: torch.Tensor, release: torch.Tensor) -> None:
+        """`recall(rows, positions, select=recall[segments])` then `release(rows, positions,
+        select=release[segments])` (distinct pairs; recall/release (n_seg,) bool masks): inside a capture with
+        Triton moves in one launch, without the two gathered masks."""
+        if _capturing() and self.moves == "triton":
+            from wnw_exp.kv.triton_moves import queue_segments
+
+            queue_segments(rows, positions, segments, recall, release, self.slot_of, self.on_host,
+                           self.queued_recall, self.queued_release)
+            return
+        self.recall(rows, positions, select=recall[segments])
+        self.release(rows, positions, select=release[segments])
+
     def release(self, rows, positions, select=None) -> int | None:
         """Queue the release of resident positions with host copies (non-resident and already queued ones are
         skipped). Returns how many were queued, or None inside a graph capture."""

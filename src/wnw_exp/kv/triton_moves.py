@@ -10,6 +10,7 @@ past its highest occupied slot) are rebuilt and its queues cleared. The second c
 host mirror, one program per (row, tile of COPY pairs): many reads in flight over PCIe, where one program per row
 would wait on each of its tiles in turn (a slot a release freed in the same flush may receive its rows: it holds
 no position, so nothing attends to it).
+`queue_segments`: recalls and releases chosen per segment (WnW's chunk swap), both queued in one launch.
 `record_step`: a decode step's accounting (resident tokens, rows recalled so far) in one launch.
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
@@ -160,6 +161,38 @@ def queue_pairs(recall: bool, rows: torch.Tensor, pos: torch.Tensor, select: tor
     _queue_pairs_kernel[(triton.cdiv(n, BLOCK),)](rows, pos, sel, slot_of, on_host.view(torch.int8),
                                                   queue.view(torch.int8), n, N, RECALL=recall,
                                                   HAS_SEL=select is not None, BLOCK=BLOCK)
+
+
+@triton.jit
+def _queue_segments_kernel(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
+                           qrel_ptr, n, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    flat = tl.load(r_ptr + i, mask=m, other=0).to(tl.int64) * N + tl.load(p_ptr + i, mask=m, other=0)
+    host = m & (tl.load(on_host_ptr + flat, mask=m, other=0) != 0)
+    sg = tl.load(seg_ptr + i, mask=host, other=0)
+    resident = tl.load(slot_of_ptr + flat, mask=host, other=0) >= 0
+    rec = host & (tl.load(rec_mask_ptr + sg, mask=host, other=0) != 0) & ~resident
+    rel = host & (tl.load(rel_mask_ptr + sg, mask=host, other=0) != 0) & resident
+    tl.store(qrec_ptr + flat, tl.full([BLOCK], 1, tl.int8), mask=rec)
+    tl.store(qrel_ptr + flat, tl.full([BLOCK], 1, tl.int8), mask=rel)
+
+
+def queue_segments(rows: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, recall: torch.Tensor,
+                   release: torch.Tensor, slot_of: torch.Tensor, on_host: torch.Tensor, queued_recall: torch.Tensor,
+                   queued_release: torch.Tensor) -> None:
+    """`queue_pairs` for recalls and releases chosen per segment, in one launch: pair i = (rows[i], pos[i]) of
+    segment seg[i] is queued for recall where recall[seg[i]] (and it has a host copy and is not resident) and for
+    release where release[seg[i]] (a host copy, resident). recall/release (n_seg,) bool."""
+    n, N = pos.numel(), slot_of.shape[1]
+    for t in (rows, pos, seg, recall, release, slot_of, on_host, queued_recall, queued_release):
+        assert t.is_contiguous()
+    if n == 0:
+        return
+    BLOCK = 1024
+    i8 = lambda x: x.view(torch.int8)  # noqa: E731
+    _queue_segments_kernel[(triton.cdiv(n, BLOCK),)](rows, pos, seg, i8(recall), i8(release), slot_of, i8(on_host),
+                                                     i8(queued_recall), i8(queued_release), n, N, BLOCK=BLOCK)
 
 
 @triton.jit

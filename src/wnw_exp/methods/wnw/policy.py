@@ -349,9 +349,8 @@ class WnW(Policy):
             dev = self.ctx.device
             self._pairs = rows.to(dev), pos.to(dev), (pos // self.n_s).to(dev)
         rows, pos, seg = self._pairs
-        if len(pos):
-            self.store.recall(rows, pos, select=recall[seg])
-            self.store.release(rows, pos, select=release[seg])
+        if len(pos):  # both queues, chosen per segment (one launch inside a capture)
+            self.store.queue_segments(rows, pos, seg, recall, release)
 
     def _move(self, segs: list[int], recall: bool) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the

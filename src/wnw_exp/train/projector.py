@@ -205,13 +205,8 @@ def heldout_batch(tokenizer, n: int, text: str = "natural", split: str = "dev", 
     answers' token ids. With `text="shuffled"` the same sentences' words are spoken in a random order: what the
     decoder gets right there it read from the audio, not guessed from the text before."""
     from wnw_exp.calibration.scores import answer_token_words
-    from wnw_exp.data.synthetic import SyntheticDataset
 
-    kw = dict(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text=text)
-    ds = SyntheticDataset(**kw)
-    if n > 1:  # synthesised side by side into the clip cache (dev clips are cached), then read from it
-        with mp.get_context("spawn").Pool(min(n, os.cpu_count() or 1)) as pool:
-            pool.starmap(_synthesise, [(kw, i) for i in range(n)])
+    ds = synthesised(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text=text)
     windows = [to_windows(s.audio()) for s in ds]
     return dict(windows=torch.from_numpy(np.concatenate(windows)), n_windows=[len(w) for w in windows],
                 answers=[list(answer_token_words(tokenizer, s.reference)[0]) for s in ds])
@@ -221,6 +216,18 @@ def _synthesise(kw: dict, i: int) -> None:
     from wnw_exp.data.synthetic import SyntheticDataset
 
     SyntheticDataset(**kw)[i].audio()
+
+
+def synthesised(**kw):
+    """A cached `SyntheticDataset` (dev/test/calib splits) whose clips are synthesised side by side first, one
+    process per clip up to the cores, into the clip cache; its samples then read them from there."""
+    from wnw_exp.data.synthetic import SyntheticDataset
+
+    ds = SyntheticDataset(**kw)
+    if kw.get("n", 1) > 1:
+        with mp.get_context("spawn").Pool(min(kw["n"], os.cpu_count() or 1)) as pool:
+            pool.starmap(_synthesise, [(kw, i) for i in range(kw["n"])])
+    return ds
 
 
 @torch.no_grad()
@@ -479,12 +486,11 @@ def evaluate(model, tokenizer, device, n: int, split: str, min_seconds: float, m
              predictions: Path | None = None) -> dict:
     """Greedy WER on `n` clips of `split`; with `predictions`, each group of clips (one batch of generate()) is
     appended to that file as it finishes, so a call cut short keeps what it decoded."""
-    from wnw_exp.data.synthetic import SyntheticDataset
     from wnw_exp.engine.decode import max_new_tokens_for
     from wnw_exp.metrics.text import corpus_wer
 
     t0 = time.time()
-    ds = SyntheticDataset(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text="natural")
+    ds = synthesised(n=n, split=split, min_seconds=min_seconds, max_seconds=max_seconds, text="natural")
     samples = list(ds)
     audios = [s.audio() for s in samples]
     t_synth = time.time() - t0

@@ -537,3 +537,43 @@ def test_pipelined_swap_moves_one_step_later():
 
 def _packed_positions(store, layer, head):
     return (store.slot_of[layer * store.n_kv_heads + head] >= 0).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kernel_fails(fails, monkeypatch):
+    """On a packed store with Triton kernels (Triton's interpreter here) WnW decides in one launch
+    (`FusedChunkSwap`); the decisions and the positions held are the host swap's, step by step. A chunk-swap
+    kernel that raises (one this GPU cannot compile) warns once and the PyTorch decision takes over, with the
+    same results."""
+    pytest.importorskip("triton")
+    import functools
+    import warnings as w
+
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.methods.wnw import triton_swap
+
+    if fails:
+        def broken(self, scores):
+            raise RuntimeError("no kernel for this GPU")
+        monkeypatch.setattr(triton_swap.FusedChunkSwap, "__call__", broken)
+    host, ref = make_policy(100, delta=2, store_cls=AudioKVStore, dense_capacity=32)
+    ref.compact(headroom=host.recall_headroom)
+    dev, packed = make_policy(100, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
+                              dense_capacity=32)
+    packed.compact(headroom=dev.recall_headroom)
+    assert dev._fused_swap is not None
+    g = torch.Generator().manual_seed(3)
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        for s in range(12):
+            p = torch.full((2, 100), 1e-4)
+            start = int(torch.randint(0, 80, (1,), generator=g))
+            p[:, start:start + 20] = 0.05
+            for policy in (host, dev):
+                policy.observe(0, p.clone())
+                policy.after_step(s)
+            assert ref.end_step() == packed.end_step()
+            assert gpu_positions(ref, 1, 1) == _packed_positions(packed, 1, 1)
+    assert dev.trace() == host.trace()
+    fell_back = [x for x in caught if "one-launch chunk swap failed" in str(x.message)]
+    assert len(fell_back) == (1 if fails else 0) and (dev._fused_swap is None) == fails

@@ -1,9 +1,7 @@
 """WnW's per-step chunk-swap decision in one Triton launch (`triage.DeviceChunkSwap.step`'s PyTorch code, the
 specification, is some 25 small kernels; with the decision's records and the score reset around it, some 33).
 
-`FusedChunkSwap`: one program per stream (the kernel takes a grid (B,) of streams whose swaps share n_s, n_c,
-top_k and delta, each with its own audio length, scores and state at its own offsets in flat buffers: a row of
-`meta`; today each stream launches its own, B = 1). The program
+`FusedChunkSwap`: one program for one stream's decision. It
 
 1. sums each chunk's anchor scores in float64, in order (chunk c covers tokens [c n_s, min(c n_s + n_c, N))) and
    divides by the chunk's length: the chunk means;
@@ -26,18 +24,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_swap_kernel(meta_ptr, a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr, release_ptr, t_ptr,
-                       rec_sel_ptr, rec_recall_ptr, rec_release_ptr, rec_res_ptr, n_s, n_c, top_k, delta,
+def _chunk_swap_kernel(a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr, release_ptr, t_ptr,
+                       rec_sel_ptr, rec_recall_ptr, rec_release_ptr, rec_res_ptr, N, n_s, n_c, top_k, delta,
                        C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
-    b = tl.program_id(0)
-    mrow = meta_ptr + b * 7  # the stream's offsets in the flat buffers (FusedChunkSwap.META)
-    a_off = tl.load(mrow + 0)
-    N = tl.load(mrow + 1)
-    seg_off = tl.load(mrow + 2)
-    ch_off = tl.load(mrow + 3)
-    rec_row0 = tl.load(mrow + 4)
-    seg_w = tl.load(mrow + 5)
-    ch_w = tl.load(mrow + 6)
     n_seg = (N + n_s - 1) // n_s
     # chunks: start c * n_s while the previous chunk ended before N
     n_ch = tl.maximum((tl.maximum(N - n_c, 0) + n_s - 1) // n_s + 1, 1)
@@ -49,7 +38,7 @@ def _chunk_swap_kernel(meta_ptr, a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr,
     for j in range(0, n_c):  # in order, as one running float64 sum per chunk
         p = start + j
         m = c_ok & (p < end)
-        total += tl.load(a_ptr + a_off + p, mask=m, other=0.0).to(tl.float64)
+        total += tl.load(a_ptr + p, mask=m, other=0.0).to(tl.float64)
     length = tl.maximum(end - start, 1).to(tl.float64)
     mean = tl.where(c_ok, total / length, float("-inf"))
     k = tl.minimum(top_k, n_ch)
@@ -66,8 +55,8 @@ def _chunk_swap_kernel(meta_ptr, a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr,
         b_start = best.to(tl.int64) * n_s
         b_end = tl.minimum(b_start + n_c, N)
         wanted = wanted | (s_ok & take & (s >= b_start // n_s) & (s <= (b_end - 1) // n_s))
-    recalled = tl.load(rec_ptr + seg_off + s, mask=s_ok, other=0) != 0
-    unsel = tl.load(unsel_ptr + seg_off + s, mask=s_ok, other=0)
+    recalled = tl.load(rec_ptr + s, mask=s_ok, other=0) != 0
+    unsel = tl.load(unsel_ptr + s, mask=s_ok, other=0)
     recall = wanted & ~recalled
     recalled = recalled | wanted
     unsel = tl.where(wanted, 0, unsel)
@@ -76,22 +65,21 @@ def _chunk_swap_kernel(meta_ptr, a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr,
     release = idle & (unsel >= delta)
     recalled = recalled & ~release
     unsel = tl.where(release, 0, unsel)
-    tl.store(rec_ptr + seg_off + s, recalled.to(tl.int8), mask=s_ok)
-    tl.store(unsel_ptr + seg_off + s, unsel, mask=s_ok)
-    tl.store(sel_ptr + ch_off + c, selected.to(tl.int8), mask=c_ok)
-    tl.store(recall_ptr + seg_off + s, recall.to(tl.int8), mask=s_ok)
-    tl.store(release_ptr + seg_off + s, release.to(tl.int8), mask=s_ok)
+    tl.store(rec_ptr + s, recalled.to(tl.int8), mask=s_ok)
+    tl.store(unsel_ptr + s, unsel, mask=s_ok)
+    tl.store(sel_ptr + c, selected.to(tl.int8), mask=c_ok)
+    tl.store(recall_ptr + s, recall.to(tl.int8), mask=s_ok)
+    tl.store(release_ptr + s, release.to(tl.int8), mask=s_ok)
     # the records, at this stream's decision counter
-    t = tl.load(t_ptr + b)
-    row = rec_row0 + t
-    tl.store(rec_sel_ptr + row * ch_w + c, selected.to(tl.int8), mask=c_ok)
-    tl.store(rec_recall_ptr + row * seg_w + s, recall.to(tl.int8), mask=s_ok)
-    tl.store(rec_release_ptr + row * seg_w + s, release.to(tl.int8), mask=s_ok)
-    tl.store(rec_res_ptr + row, tl.sum(recalled.to(tl.int64), 0))
-    tl.store(t_ptr + b, t + 1)
+    t = tl.load(t_ptr)  # the record rows are n_ch / n_seg wide
+    tl.store(rec_sel_ptr + t * n_ch + c, selected.to(tl.int8), mask=c_ok)
+    tl.store(rec_recall_ptr + t * n_seg + s, recall.to(tl.int8), mask=s_ok)
+    tl.store(rec_release_ptr + t * n_seg + s, release.to(tl.int8), mask=s_ok)
+    tl.store(rec_res_ptr + t, tl.sum(recalled.to(tl.int64), 0))
+    tl.store(t_ptr, t + 1)
     for p0 in range(0, N, 1024):  # the scores start again from zero for the next step
         p = p0 + tl.arange(0, 1024)
-        tl.store(a_ptr + a_off + p, tl.zeros([1024], tl.float32), mask=p < N)
+        tl.store(a_ptr + p, tl.zeros([1024], tl.float32), mask=p < N)
 
 
 def _i8(x: torch.Tensor) -> torch.Tensor:
@@ -100,19 +88,19 @@ def _i8(x: torch.Tensor) -> torch.Tensor:
 
 class FusedChunkSwap:
     """`DeviceChunkSwap.step` for one stream in one launch, with the policy's decision records and counter: made
-    once per sample (its offsets are a device tensor, so nothing is allocated per step: graph-safe)."""
-
-    META = ("a_off", "n_audio", "seg_off", "ch_off", "rec_row0", "seg_w", "ch_w")
+    once per sample, its output masks with it, so nothing is allocated per step (graph-safe)."""
 
     def __init__(self, swap, records: dict, t: torch.Tensor, n_s: int, n_c: int, top_k: int, delta: int):
         dev = swap.recalled.device
         self.swap, self.records, self.t = swap, records, t
         self.n_s, self.n_c, self.top_k, self.delta = n_s, n_c, top_k, delta
-        n_audio = swap._c.shape[0] - 1
+        self.n_audio = swap._c.shape[0] - 1
+        # the kernel derives the segment and chunk counts (its record widths) from n_audio, n_s and n_c
+        assert swap.n_seg == triton.cdiv(self.n_audio, n_s)
+        assert swap.n_chunks == triton.cdiv(max(self.n_audio - n_c, 0), n_s) + 1
         assert records["recall"].shape[1] == swap.n_seg and records["selected"].shape[1] == swap.n_chunks
         for x in (swap.recalled, swap.unselected, *records.values()):
             assert x.is_contiguous()
-        self.meta = torch.tensor([[0, n_audio, 0, 0, 0, swap.n_seg, swap.n_chunks]], dtype=torch.int64, device=dev)
         self.selected = torch.zeros(swap.n_chunks, dtype=torch.bool, device=dev)
         self.recall = torch.zeros(swap.n_seg, dtype=torch.bool, device=dev)
         self.release = torch.zeros(swap.n_seg, dtype=torch.bool, device=dev)
@@ -124,8 +112,8 @@ class FusedChunkSwap:
         (the same tensors every step)."""
         assert scores.is_contiguous() and scores.dtype == torch.float32
         r, sw = self.records, self.swap
-        _chunk_swap_kernel[(1,)](self.meta, scores, _i8(sw.recalled), sw.unselected, _i8(self.selected),
-                                 _i8(self.recall), _i8(self.release), self.t.view(1), _i8(r["selected"]),
-                                 _i8(r["recall"]), _i8(r["release"]), r["resident"], self.n_s, self.n_c,
-                                 self.top_k, self.delta, **self.pads)
+        _chunk_swap_kernel[(1,)](scores, _i8(sw.recalled), sw.unselected, _i8(self.selected), _i8(self.recall),
+                                 _i8(self.release), self.t.view(1), _i8(r["selected"]), _i8(r["recall"]),
+                                 _i8(r["release"]), r["resident"], self.n_audio, self.n_s, self.n_c, self.top_k,
+                                 self.delta, **self.pads)
         return self.selected, self.recall, self.release

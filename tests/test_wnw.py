@@ -411,6 +411,24 @@ def test_swap_starts_from_the_anchor_attention_of_the_prompts_last_row():
 
 
 # --- the chunk swap on the device = the host one ------------------------------------------------------------
+def _swap_inputs(n_audio: int, steps: int, seed: int):
+    """Anchor attention for `steps` decisions, in turn: peaked, flat (every chunk ties), plateaus of equal means,
+    a softmax."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        kind = step % 4
+        if kind == 0:
+            yield torch.rand(n_audio, generator=g) ** 8
+        elif kind == 1:
+            yield torch.zeros(n_audio)
+        elif kind == 2:
+            a = torch.zeros(n_audio)
+            a[torch.randint(0, n_audio, (3,), generator=g)] = 1.0
+            yield a
+        else:
+            yield torch.softmax(torch.randn(n_audio, generator=g) * 3, 0).float()
+
+
 @pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta", [(1000, 25, 50, 3, 3), (110, 25, 50, 3, 3), (60, 25, 50, 3, 3),
                                                          (1037, 25, 30, 2, 1), (400, 10, 20, 1, 4)])
 def test_device_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c, top_k, delta):
@@ -418,18 +436,7 @@ def test_device_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_
     releases at every step, ties included (flat attention, plateaus, exact zeros)."""
     host = triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta)
     dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, torch.device("cpu"))
-    g = torch.Generator().manual_seed(n_audio + top_k)
-    for step in range(40):
-        kind = step % 4
-        if kind == 0:
-            a = torch.rand(n_audio, generator=g) ** 8  # peaked
-        elif kind == 1:
-            a = torch.zeros(n_audio)  # every chunk ties
-        elif kind == 2:
-            a = torch.zeros(n_audio)
-            a[torch.randint(0, n_audio, (3,), generator=g)] = 1.0  # plateaus of equal means
-        else:
-            a = torch.softmax(torch.randn(n_audio, generator=g) * 3, 0).float()
+    for a in _swap_inputs(n_audio, 40, seed=n_audio + top_k):
         selected, recall, release = host.step(a.clone())
         d_sel, d_rec, d_rel = dev.step(a.clone())
         assert d_sel.nonzero().flatten().tolist() == selected
@@ -456,18 +463,7 @@ def test_fused_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c
                    resident=torch.zeros(steps + 2, dtype=torch.long))
     t = torch.zeros((), dtype=torch.long)
     fused = FusedChunkSwap(dev, records, t, n_s, n_c, top_k, delta)
-    g = torch.Generator().manual_seed(n_audio + top_k)
-    for step in range(steps):
-        kind = step % 4
-        if kind == 0:
-            a = torch.rand(n_audio, generator=g) ** 8  # peaked
-        elif kind == 1:
-            a = torch.zeros(n_audio)  # every chunk ties
-        elif kind == 2:
-            a = torch.zeros(n_audio)
-            a[torch.randint(0, n_audio, (3,), generator=g)] = 1.0  # plateaus of equal means
-        else:
-            a = torch.softmax(torch.randn(n_audio, generator=g) * 3, 0).float()
+    for step, a in enumerate(_swap_inputs(n_audio, steps, seed=n_audio + top_k)):
         selected, recall, release = host.step(a.clone())
         scores = a.clone()
         f_sel, f_rec, f_rel = fused(scores)
@@ -483,22 +479,24 @@ def test_fused_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c
     assert not records["selected"][steps:].any()
 
 
-def _pair(lag=1, n_audio=100):
-    """make_policy's WnW on the reference store (host swap) and on the packed store (device swap)."""
+def _pair(lag=1, n_audio=100, kernels="auto"):
+    """make_policy's WnW on the reference store (host swap) and on the packed store (device swap, with `kernels`)."""
+    import functools
+
     from wnw_exp.kv.packed import PackedAudioKVStore
 
     out = []
-    for cls in (AudioKVStore, PackedAudioKVStore):
+    for cls in (AudioKVStore, functools.partial(PackedAudioKVStore, kernels=kernels)):
         policy, store = make_policy(n_audio, delta=2, store_cls=cls, lag=lag, dense_capacity=32)
         store.compact(headroom=policy.recall_headroom)
         out.append((policy, store))
     return out
 
 
-def _drive(lag, steps=16):
+def _drive(lag, steps=16, kernels="auto"):
     """Both stores through `steps` decode steps of anchor attention on one random chunk; per step the tidal head's
     device positions on each store."""
-    (host, ref), (dev, packed) = _pair(lag)
+    (host, ref), (dev, packed) = _pair(lag, kernels=kernels)
     assert not host.on_device and dev.on_device
     g = torch.Generator().manual_seed(3)
     held = []
@@ -546,34 +544,18 @@ def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kerne
     kernel that raises (one this GPU cannot compile) warns once and the PyTorch decision takes over, with the
     same results."""
     pytest.importorskip("triton")
-    import functools
     import warnings as w
 
-    from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.methods.wnw import triton_swap
 
     if fails:
         def broken(self, scores):
             raise RuntimeError("no kernel for this GPU")
         monkeypatch.setattr(triton_swap.FusedChunkSwap, "__call__", broken)
-    host, ref = make_policy(100, delta=2, store_cls=AudioKVStore, dense_capacity=32)
-    ref.compact(headroom=host.recall_headroom)
-    dev, packed = make_policy(100, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
-                              dense_capacity=32)
-    packed.compact(headroom=dev.recall_headroom)
-    assert dev._fused_swap is not None
-    g = torch.Generator().manual_seed(3)
     with w.catch_warnings(record=True) as caught:
         w.simplefilter("always")
-        for s in range(12):
-            p = torch.full((2, 100), 1e-4)
-            start = int(torch.randint(0, 80, (1,), generator=g))
-            p[:, start:start + 20] = 0.05
-            for policy in (host, dev):
-                policy.observe(0, p.clone())
-                policy.after_step(s)
-            assert ref.end_step() == packed.end_step()
-            assert gpu_positions(ref, 1, 1) == _packed_positions(packed, 1, 1)
+        host, ref, dev, packed, held = _drive(1, steps=12, kernels="triton")
+    assert all(a == b for a, b in held)
     assert dev.trace() == host.trace()
     fell_back = [x for x in caught if "one-launch chunk swap failed" in str(x.message)]
     assert len(fell_back) == (1 if fails else 0) and (dev._fused_swap is None) == fails

@@ -200,16 +200,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jobs += [(n_audio, n_req, m, {}) for m in a.graph_methods.split(",") if m for n_audio, n_req in audio]
     jobs += eager(methods[-1:])
     rows: list[dict] = []
+
+    def emit(row: dict) -> None:  # every row, measured or skipped, printed and in the file at once
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if out is not None:
+            out.write_text(json.dumps(rows, indent=1))
+
     t_start = time.perf_counter()
     backbones: dict = {}
     for n_audio, n_req, method, job_path in jobs:
         graph = job_path.get("graph", True) and not a.smoke
         if not a.smoke and time.perf_counter() - t_start > a.deadline_s:
-            rows.append(dict(kind="throughput", method=method, audio_tokens=n_audio, graph=graph,
-                             skipped=f"not started: past --deadline-s {a.deadline_s:g}", **meta))
-            print(json.dumps(rows[-1]), flush=True)  # the record says which rows are missing and why
-            if out is not None:
-                out.write_text(json.dumps(rows, indent=1))
+            emit(dict(kind="throughput", method=method, audio_tokens=n_audio, graph=graph,
+                      skipped=f"not started: past --deadline-s {a.deadline_s:g}", **meta))
             continue
         if n_audio not in backbones:
             backbones[n_audio] = ds.make_backbone(model, n_audio)
@@ -227,10 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 import traceback
                 traceback.print_exc()
                 row = dict(kind=kind, method=method, audio_tokens=n_audio, error=f"{type(e).__name__}: {e}")
-            rows.append(dict(row, graph=graph, **meta))
-            print(json.dumps(rows[-1]), flush=True)
-            if out is not None:
-                out.write_text(json.dumps(rows, indent=1))
+            emit(dict(row, graph=graph, **meta))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows

@@ -491,31 +491,32 @@ class PackedAudioKVStore(StepAccounting):
         (with Triton kernels in one launch through `slot_of`, `probs_out` left alone)."""
         H = self.n_kv_heads
         rows = slice(layer * H, (layer + 1) * H)
+        fn, summer = attention_torch, None
         if self.kernels == "triton":
-            from wnw_exp.kv.triton_attention import ObserverSum, decode_attention
+            from wnw_exp.kv.triton_attention import decode_attention as fn
 
-            dk, dv = self._dense(layer)
-            fused_sum = observe is not None and accumulate is not None
-            out = decode_attention(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v, self._offsets[rows],
-                                   self.audio_len[layer], scale, max_audio_per_head=self._max_cap,
-                                   audio_pos=self.audio_pos, observe=None if fused_sum else observe,
-                                   probs_out=probs_out, scratch=self._scratch[layer])
-            if fused_sum:  # its tables are made at the first (eager) step of a sample, then reused
-                key = (accumulate.data_ptr(), observe.data_ptr(), self.slot_of.data_ptr())
-                summer = self._observer_sums.get(layer)
-                if summer is None or summer[0] != key:
-                    summer = self._observer_sums[layer] = (key, ObserverSum(
-                        [(0, accumulate, self.slot_of[rows], observe.tolist())], self.device))
-                summer[1](q, self.audio_k, self._offsets[rows], self._scratch[layer]["lse"], scale)
-            return out
+            if observe is not None and accumulate is not None:
+                summer = self._observer_sum(layer, rows, observe, accumulate)
         dk, dv = self._dense(layer)
-        out = attention_torch(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v, self._offsets[rows],
-                              self.audio_len[layer], scale, max_audio_per_head=self._max_cap,
-                              audio_pos=self.audio_pos, observe=observe, probs_out=probs_out,
-                              scratch=self._scratch[layer])
-        if observe is not None and accumulate is not None:  # the specification: the weights, then their sum
+        out = fn(q, dk, dv, self.dense_len_next, self.audio_k, self.audio_v, self._offsets[rows],
+                 self.audio_len[layer], scale, max_audio_per_head=self._max_cap, audio_pos=self.audio_pos,
+                 observe=None if summer is not None else observe, probs_out=probs_out, scratch=self._scratch[layer])
+        if summer is not None:
+            summer(q, self.audio_k, self._offsets[rows], self._scratch[layer]["lse"], scale)
+        elif observe is not None and accumulate is not None:  # the specification: the weights, then their sum
             accumulate += probs_out.sum(dim=0)
         return out
+
+    def _observer_sum(self, layer: int, rows: slice, observe: torch.Tensor, accumulate: torch.Tensor):
+        """The layer's `ObserverSum` for these tensors: made at the first (eager) step of a sample, then reused."""
+        from wnw_exp.kv.triton_attention import ObserverSum
+
+        key = (accumulate.data_ptr(), observe.data_ptr(), self.slot_of.data_ptr())
+        held = self._observer_sums.get(layer)
+        if held is None or held[0] != key:
+            held = self._observer_sums[layer] = (key, ObserverSum(
+                [(0, accumulate, self.slot_of[rows], observe.tolist())], self.device))
+        return held[1]
 
     def _dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's dense K and V, (H_kv, n_text + dense_capacity, D): the store's own buffers, or in a pool its

@@ -535,14 +535,14 @@ def probe(args: argparse.Namespace) -> None:
 
     device = _device(args.device)
     model, tokenizer = load_run(None, Path(args.trained_dir) if args.trained_dir else None, device)
-    sets = heldout_sets(tokenizer, WhisperFeatureExtractor(feature_size=80), device, args.n, split=args.split,
-                        min_seconds=args.min_seconds, max_seconds=args.max_seconds)
+    extractor = WhisperFeatureExtractor(feature_size=80)
+    sets = heldout_sets(tokenizer, extractor, device, args.n, split=args.split, min_seconds=args.min_seconds,
+                        max_seconds=args.max_seconds)
     res = dict(split=args.split, n=args.n, clip_seconds=[args.min_seconds, args.max_seconds])
     for name, (batch, feats) in sets.items():
         res.update({f"{name}_{k}": round(v, 4) for k, v in heldout_loss(model, tokenizer, batch, feats).items()})
         if args.without_audio:  # the same answers after the features of silence: what the decoder guesses alone
-            silent = device_features(torch.zeros_like(batch["windows"]), WhisperFeatureExtractor(feature_size=80),
-                                     device)
+            silent = device_features(torch.zeros_like(batch["windows"]), extractor, device)
             res.update({f"{name}_silence_{k}": round(v, 4)
                         for k, v in heldout_loss(model, tokenizer, batch, silent).items()})
     print("probe", json.dumps(res), flush=True)

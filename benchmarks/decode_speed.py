@@ -291,6 +291,7 @@ def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15)
     """Where a decode step's device time goes: the fused step run eagerly (a graph hides its kernels from the
     profiler) under torch.profiler, once for `steps` answer tokens and once for the prefill alone; the difference
     per kernel over `steps`: the `top` kernels by device time per step (us), with their launches per step."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import generate
@@ -306,6 +307,8 @@ def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15)
             _sync()
         out = {}
         for e in prof.key_averages():
+            if dev == "cuda" and e.device_type != DeviceType.CUDA:  # an op's kernels only, not the op again
+                continue
             t = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
             if t > 0:
                 out[e.key] = (t, e.count)
@@ -355,6 +358,8 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
         # the check beyond its lead shape: Full and WnW strict (voxtral at 12,000 tokens), with wnw-run's rows for the
         # second family (qwen_omni at 3,000)
         short = a.gpu_check and not lead
+        if a.gpu_check and lead and a.long_only:
+            continue
         first_audio = n_audio == int(a.audio.split(",")[0])
 
         def wnw(steps=a.steps, **kw):
@@ -465,6 +470,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sweep-steps", type=int, default=96)
     ap.add_argument("--anchor-speed", type=float, default=12.0, help="audio tokens the scripted anchor focus moves per step")
     ap.add_argument("--anchor-beta", type=float, default=0.9)
+    ap.add_argument("--long-only", action="store_true",
+                    help="--gpu-check without its lead shape (voxtral at 3,000): the 12,000-token and Qwen rows only")
     ap.add_argument("--profile", type=int, default=0, help="steps of a torch.profiler row for WnW and ArkVale (0: none)")
     ap.add_argument("--kernels", choices=("triton", "torch"), default="torch",
                     help="--smoke: the fused step's kernels on the CPU (triton: Triton's interpreter)")

@@ -140,6 +140,70 @@ def latency_bs1(bb, prompt, method: str, info: dict, scores: Path, n_new: int, r
                 prefill_ms=res.prefill_ms)
 
 
+class _PeakSteps(list):
+    """`BatchStats.batch_sizes` that runs a torch.profiler over `steps` decode steps once the batch holds `peak`
+    streams (after `skip` steps at that size: the graph's capture and warm steps stay out)."""
+
+    def __init__(self, prof, peak: int, steps: int, skip: int):
+        super().__init__()
+        self.prof, self.peak, self.steps, self.skip, self.seen = prof, peak, steps, skip, 0
+
+    def append(self, n: int) -> None:
+        super().append(n)
+        if n != self.peak or self.seen > self.skip + self.steps:
+            return
+        self.seen += 1
+        if self.seen == self.skip:
+            ds._sync()
+            self.prof.start()
+        elif self.seen == self.skip + self.steps:
+            ds._sync()
+            self.prof.stop()
+
+
+def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: int, steps: int, retention: float,
+                  path: dict, top: int = 18) -> dict:
+    """Where a batched decode step's device time goes at `n_streams` streams: `n_streams` equal requests in an
+    unbounded pool, torch.profiler over `steps` decode steps taken while all of them run (eagerly, or replaying the
+    composition's CUDA graph); the `top` kernels by device time per step (us) with their launches per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from wnw_exp.engine.decode import BatchStats, Request, decode_batch
+    from wnw_exp.kv.pool import KVPool
+
+    r = 1.0 if method == "full" else retention
+    cap = n_streams + steps + 8  # every stream still runs when the last one joins, `steps` steps later too
+    template = policy_for(method, info, scores, prompt.n_audio, cap)
+    template.check(r)
+    free = torch.cuda.mem_get_info()[0] if bb.device.type == "cuda" else 1e9
+    pool = KVPool.of_bytes(0.5 * free, bb.head_dim, bb.dtype, bb.device)
+    cuda = torch.cuda.is_available() and bb.device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    stats = BatchStats()
+    stats.batch_sizes = _PeakSteps(prof, n_streams, steps, skip=4)
+    for _, res in decode_batch(bb, [Request(i, prompt, cap, cap) for i in range(n_streams)], template.fork,
+                               retention=r, pool=pool, stats=stats, **path):
+        if isinstance(res, Exception):
+            raise res
+    if stats.batch_sizes.seen < 4 + steps:
+        raise RuntimeError(f"the batch reached {n_streams} streams for {stats.batch_sizes.seen} steps only")
+    at_peak = [ms for n, ms in zip(stats.batch_sizes, stats.step_ms) if n == n_streams][4:4 + steps]
+    rows = []
+    for e in prof.key_averages():
+        if cuda and e.device_type != DeviceType.CUDA:  # kernels and copies only, not the ops that launch them again
+            continue
+        t = e.self_device_time_total if cuda else e.self_cpu_time_total  # (the CPU: the smoke's check only)
+        if t > 0:
+            rows.append((t, e.key, e.count))
+    rows.sort(reverse=True)
+    return dict(kind="profile", method=method, retention=r, audio_tokens=prompt.n_audio, streams=n_streams,
+                steps=steps, graph=path.get("graph"), step_ms_wall_p50=_pct(at_peak, 50),
+                device_us_per_step=round(sum(t for t, _, _ in rows) / steps, 1),
+                top=[dict(kernel=k[:90], us_per_step=round(t / steps, 1), launches_per_step=round(c / steps, 2))
+                     for t, k, c in rows[:top]])
+
+
 def _pct(x, q) -> float | None:
     return float(np.percentile(x, q)) if len(x) else None
 
@@ -162,6 +226,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--graph-methods", default="wnw,full",
                     help="--gpu: after every scenario ran without CUDA graphs, these again with one graph per batch "
                          "composition ('' for none)")
+    ap.add_argument("--profile", default="",
+                    help="--gpu: instead of the scenarios, profile rows 'method:streams:audio[:graph]', comma-separated "
+                         "(e.g. wnw:33:3000:graph,adakv:35:3000)")
+    ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -193,12 +261,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     scores = ds.synthetic_head_scores(info, tmp / f"{info['name']}_head_scores.json")
     # method by method, both lengths each: a call cut short keeps whole comparisons. The graph rows come after the
     # eager rows of every method but the last (recall off), so a failing capture costs no eager row of the others.
-    methods = a.methods.split(",")
+    methods = [m for m in a.methods.split(",") if m]
     eager = lambda ms: [(n_audio, n_req, m, path) for m in ms for n_audio, n_req in audio]  # noqa: E731
     jobs = eager(methods[:-1])
     if not a.smoke:
         jobs += [(n_audio, n_req, m, {}) for m in a.graph_methods.split(",") if m for n_audio, n_req in audio]
     jobs += eager(methods[-1:])
+    if a.profile:
+        jobs = []
     rows: list[dict] = []
 
     def emit(row: dict) -> None:  # every row, measured or skipped, printed and in the file at once
@@ -209,6 +279,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     t_start = time.perf_counter()
     backbones: dict = {}
+    for spec in filter(None, a.profile.split(",")):
+        method, n, n_audio, *g = spec.split(":")
+        if int(n_audio) not in backbones:
+            backbones[int(n_audio)] = ds.make_backbone(model, int(n_audio))
+        bb = backbones[int(n_audio)]
+        try:
+            row = profile_batch(bb, bb.build_prompt(), method, info, scores, int(n), a.profile_steps, a.retention,
+                                path if a.smoke else dict(graph=bool(g)))
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            row = dict(kind="profile", method=method, spec=spec, error=f"{type(e).__name__}: {e}")
+        emit(dict(row, **meta))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     for n_audio, n_req, method, job_path in jobs:
         graph = job_path.get("graph", True) and not a.smoke
         if not a.smoke and time.perf_counter() - t_start > a.deadline_s:

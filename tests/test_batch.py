@@ -510,6 +510,24 @@ def test_kv_pool_gb_is_checked_and_outside_the_identity(tmp_path):
     assert identity_hash(_run_config(tmp_path, "kv_pool_gb=3.0", "batch_size=4")) == identity_hash(_run_config(tmp_path))
 
 
+def test_serving_profile_rows_smoke(tmp_path):
+    """serving.py --profile (where a batched step's time goes): one row per spec, the profiler run over the steps
+    taken while all of its streams decode (on the CPU: ops, not kernels)."""
+    import subprocess
+
+    out = tmp_path / "profile.json"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks/serving.py"), "--smoke", "--profile",
+                        "wnw:3:200,adakv:2:200", "--profile-steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [(x["kind"], x["method"], x["streams"], x["steps"]) for x in rows] == [("profile", "wnw", 3, 2),
+                                                                                 ("profile", "adakv", 2, 2)]
+    for x in rows:
+        assert "error" not in x and x["top"] and any(t["launches_per_step"] > 0 for t in x["top"])
+
+
 def test_serving_benchmark_smoke(tmp_path):
     """benchmarks/serving.py --smoke: every method's row with the issue's schema, admission within the pool, and
     the 0.2-retention methods holding more streams than Full in the same pool."""

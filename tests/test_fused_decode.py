@@ -226,53 +226,80 @@ def test_triton_queueing_inside_a_capture_marks_what_the_torch_queueing_marks(mo
     assert a.queued_recall.any() and a.queued_release.any()
 
 
-def test_triton_flush_moves_what_the_torch_flush_moves():
-    """The packed store's one-kernel flush (kv/triton_moves.py, reading the host mirror itself on CUDA) = its
-    PyTorch flush (the specification), move for move: random recalls and releases on every head with a host tier,
-    a head too full for its recalls (overflow), per layer and for all layers, then attention over the result."""
-    dev = _triton_env()
+L_F, H_F, D_F, PRE_F = 2, 3, 16, 2  # the flush tests' stores: layers, KV heads, head dim, text rows before the audio
+
+
+def _flush_store(kernels: str, n_audio: int, seed: int, dev, mirrored: bool = True):
+    """A packed store whose heads each hold part of the audio on the device and part on the host only (one head,
+    and with `mirrored=False` every head, without a host tier: it never moves), the last head with too little
+    recall room (its recalls overflow)."""
     from wnw_exp.kv.packed import PackedAudioKVStore
 
-    L, H, D, n_audio, pre = 2, 3, 16, 70, 2
-    g = torch.Generator().manual_seed(6)
-    stores = {}
-    for kernels in ("torch", "triton"):
-        st = PackedAudioKVStore(L, H, D, n_audio, dev, torch.float32, dense_capacity=8, kernels=kernels)
-        gen = torch.Generator().manual_seed(7)
-        for li in range(L):
-            k = torch.randn(H, n_audio + pre + 1, D, generator=gen).to(dev)
-            st.write_prefill(li, k, k * 2, (pre, pre + n_audio))
-            for h in range(H):
-                perm = torch.randperm(n_audio, generator=gen)
-                if h == 2 and li == 0:
-                    st.set_tiers(li, h, perm[:20])  # no host tier: never moves
-                else:
-                    st.set_tiers(li, h, perm[:15], perm[10:60])  # a mirrored overlap and a host-only part
-        st.compact(headroom=np.array([45] * (L * H - 1) + [2]))  # the last head: too little room
-        stores[kernels] = st
+    st = PackedAudioKVStore(L_F, H_F, D_F, n_audio, dev, torch.float32, dense_capacity=8, kernels=kernels)
+    gen = torch.Generator().manual_seed(seed)
+    a, b, c = n_audio // 5, n_audio // 7, n_audio * 6 // 7
+    for li in range(L_F):
+        k = torch.randn(H_F, n_audio + PRE_F + 1, D_F, generator=gen).to(dev)
+        st.write_prefill(li, k, k * 2, (PRE_F, PRE_F + n_audio))
+        for h in range(H_F):
+            perm = torch.randperm(n_audio, generator=gen)
+            if (h == 2 and li == 0) or not mirrored:
+                st.set_tiers(li, h, perm[:a])  # no host tier: never moves
+            else:
+                st.set_tiers(li, h, perm[:a], perm[b:c])  # a mirrored overlap and a host-only part
+    st.compact(headroom=np.array([45] * (L_F * H_F - 1) + [2]))  # the last head: too little room
+    return st
+
+
+def _queue_random(st, step: int, dev) -> None:
+    """Random recalls and releases on the heads with a host tier (some heads, each step, with nothing queued)."""
+    n_audio = st.n_audio
+    gen = torch.Generator().manual_seed(100 + step)
+    for r in range(L_F * H_F):
+        if not st.on_host[r].any() or (r + step) % 4 == 0:  # nothing queued on this head this step
+            continue
+        sel_rec = torch.rand(n_audio, generator=gen) < 0.15
+        sel_rel = torch.rand(n_audio, generator=gen) < 0.15
+        pos = torch.arange(n_audio, device=dev)
+        if r != L_F * H_F - 1:
+            st.recall(r, pos, select=(sel_rec.to(dev) & st.on_host[r]))
+        else:  # queued past the host-side room check, as a captured graph would
+            st.queued_recall[r] |= sel_rec.to(dev) & st.on_host[r] & (st.slot_of[r] < 0)
+        st.release(r, pos, select=(sel_rel.to(dev) & st.on_host[r] & (st.slot_of[r] >= 0) & ~st.queued_recall[r]))
+
+
+def _same_store(a, b, where) -> None:
+    for name in ("slot_of", "audio_pos", "n_resident", "audio_len", "overflow", "_recalled"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), (where, name)
+    assert torch.equal(a.audio_k[a.audio_pos >= 0], b.audio_k[b.audio_pos >= 0])
+    assert torch.equal(a.audio_v[a.audio_pos >= 0], b.audio_v[b.audio_pos >= 0])
+    assert not a.queued_recall.any() and not b.queued_recall.any() and not b.queued_release.any()
+
+
+def _small_tiles(monkeypatch) -> None:
+    """Scans of 32 positions, copy tiles of 4 pairs: every loop of the kernels runs several times on the tests'
+    small stores."""
+    from wnw_exp.kv import triton_moves
+
+    monkeypatch.setattr(triton_moves, "SCAN", 32)
+    monkeypatch.setattr(triton_moves, "COPY", 4)
+
+
+def test_triton_flush_moves_what_the_torch_flush_moves(monkeypatch):
+    """The packed store's two-launch flush (kv/triton_moves.py, reading the host mirror itself on CUDA) = its
+    PyTorch flush (the specification), move for move: random recalls and releases on the heads with a host tier
+    (each step some of them with nothing queued, which the kernel skips), a head too full for its recalls
+    (overflow), per layer and for all layers, with small scans and tiles (`_small_tiles`)."""
+    dev = _triton_env()
+    _small_tiles(monkeypatch)
+    stores = {kernels: _flush_store(kernels, 70, 7, dev) for kernels in ("torch", "triton")}
     for step in range(6):
         for st in stores.values():
-            gen = torch.Generator().manual_seed(100 + step)
-            for r in range(L * H):
-                if not st.on_host[r].any():
-                    continue
-                sel_rec = torch.rand(n_audio, generator=gen) < 0.15
-                sel_rel = torch.rand(n_audio, generator=gen) < 0.15
-                pos = torch.arange(n_audio, device=dev)
-                if r != L * H - 1:
-                    st.recall(r, pos, select=(sel_rec.to(dev) & st.on_host[r]))
-                else:  # queued past the host-side room check, as a captured graph would
-                    st.queued_recall[r] |= sel_rec.to(dev) & st.on_host[r] & (st.slot_of[r] < 0)
-                st.release(r, pos, select=(sel_rel.to(dev) & st.on_host[r] & (st.slot_of[r] >= 0)
-                                           & ~st.queued_recall[r]))
-            st.flush(step % L if step % 3 else None)
+            _queue_random(st, step, dev)
+            st.flush(step % L_F if step % 3 else None)
             st.flush()
-        a, b = stores["torch"], stores["triton"]
-        for name in ("slot_of", "audio_pos", "n_resident", "audio_len", "overflow", "_recalled"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
-        assert torch.equal(a.audio_k[a.audio_pos >= 0], b.audio_k[b.audio_pos >= 0])
-        assert torch.equal(a.audio_v[a.audio_pos >= 0], b.audio_v[b.audio_pos >= 0])
-        assert not a.queued_recall.any() and not b.queued_recall.any() and not b.queued_release.any()
+        _same_store(stores["torch"], stores["triton"], step)
+    b = stores["triton"]
     assert int(b.overflow) > 0 and int(b._recalled) > 0
     with pytest.raises(RuntimeError, match="region is full"):
         b.check()
@@ -330,7 +357,8 @@ def test_decode_benchmark_smoke_runs_every_row_on_the_cpu(tmp_path):
     assert not res["tiny/200/engine_reference_full"]["fused"]
     for m in ("wnw", "arkvale"):  # the profiler rows name the step's costliest ops
         prof = res[f"tiny/200/profile_{m}_r0.2"]
-        assert prof["device_us_per_step"] > 0 and prof["top"] and prof["top"][0]["us_per_step"] > 0
+        # (counts, not times: on a loaded CPU the decode-minus-prefill time of 2 steps can come out negative)
+        assert prof["top"] and any(t["launches_per_step"] > 0 for t in prof["top"])
 
 
 def _agree(a, b, min_tokens: int):

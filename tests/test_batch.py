@@ -510,6 +510,33 @@ def test_kv_pool_gb_is_checked_and_outside_the_identity(tmp_path):
     assert identity_hash(_run_config(tmp_path, "kv_pool_gb=3.0", "batch_size=4")) == identity_hash(_run_config(tmp_path))
 
 
+def test_kv_reserve_is_checked_reaches_admission_and_is_outside_the_identity(tmp_path, monkeypatch):
+    """`kv_reserve` (the answer tokens a batched stream's admission keeps pool room for: tokens, a fraction of the
+    cap, or null) gets one line for a bad value, reaches `decode_batch(reserve_tokens=)`, and does not change the
+    run directory (admission decides when a stream runs, not what it predicts)."""
+    from wnw_exp.engine import decode, runner
+    from wnw_exp.methods.base import Policy
+    from wnw_exp.rundir import identity_hash
+
+    for bad in (-1, 1.5, -0.1, "4", True):
+        with pytest.raises(ValueError, match=f"^kv_reserve={bad!r}: the answer tokens a batched stream"):
+            runner.check_config({"retention": 0.2, "kv_reserve": bad})
+    for good in (None, 0, 40, 0.0, 0.25, 1.0):
+        runner.check_config({"retention": 0.2, "kv_reserve": good})
+    assert identity_hash(_run_config(tmp_path, "kv_reserve=0.3")) == identity_hash(_run_config(tmp_path))
+    seen = []
+
+    def fake_decode_batch(backbone, requests, make_policy, **kw):
+        seen.append(kw["reserve_tokens"])
+        return iter(())
+
+    monkeypatch.setattr(decode, "decode_batch", fake_decode_batch)
+    for value in (None, 12, 0.5):
+        runner._run_batched([], None, Policy(), dict(retention=1.0, batch_size=2, kv_reserve=value,
+                                                     engine="reference"), lambda rec: None)
+    assert seen == [None, 12, 0.5]
+
+
 def test_serving_profile_rows_smoke(tmp_path):
     """serving.py --profile (where a batched step's time goes): one row per spec, the profiler run over the steps
     taken while all of its streams decode (on the CPU: ops, not kernels)."""

@@ -100,6 +100,12 @@ def check_config(cfg: dict) -> None:
     if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
         raise ValueError(f"kv_pool_gb={gb!r}: the KV pool batched streams share on the GPU, in GB (> 0), or null "
                          "for 80% of the free device memory")
+    res = cfg.get("kv_reserve")
+    if res is not None and (isinstance(res, bool) or not isinstance(res, (int, float)) or res < 0
+                            or (isinstance(res, float) and res > 1)):
+        raise ValueError(f"kv_reserve={res!r}: the answer tokens a batched stream's admission keeps pool room for: a "
+                         "whole number of tokens >= 0, a fraction of the answer's cap in [0.0, 1.0], or null for 0.6 "
+                         "of the cap")
 
 
 def environment(device: torch.device) -> dict:
@@ -240,7 +246,8 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
 def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
     """`batch_size` samples decoded together (`engine.decode.decode_batch`, each with its own fork of `policy`);
     each one's record goes to `finished` as soon as it ends. On CUDA the streams share one KV pool (`kv_pool_gb`;
-    null: 80% of the device memory free after the weights); a stream it cannot hold waits for one to leave."""
+    null: 80% of the device memory free after the weights); a stream it cannot hold waits for one to leave, and
+    one joins only while the pool keeps room for `kv_reserve` answer tokens of every stream (null: 0.6 of its cap)."""
     from wnw_exp.engine.decode import Request, decode_batch, default_pool
 
     path = ENGINE_PATHS[cfg.get("engine", "auto")]
@@ -266,7 +273,8 @@ def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
             warnings.warn(f"kv_pool_gb={gb}: the KV pool is the GPU's; on {backbone.device.type} each stream has its "
                           "own store", stacklevel=2)
     for key, res in decode_batch(backbone, requests(), policy.fork, retention=cfg["retention"],
-                                 max_concurrent=cfg["batch_size"], pool=pool, **path):
+                                 max_concurrent=cfg["batch_size"], pool=pool, reserve_tokens=cfg.get("kv_reserve"),
+                                 **path):
         sample, prompt = waiting.pop(key)
         if isinstance(res, Exception):
             finished(_failed(_base(sample), res, res.__traceback__))

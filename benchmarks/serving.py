@@ -187,6 +187,8 @@ def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: 
         if isinstance(res, Exception):
             raise res
     if stats.batch_sizes.seen < 4 + steps:
+        if stats.batch_sizes.seen >= 4:  # started, never stopped
+            prof.stop()
         raise RuntimeError(f"the batch reached {n_streams} streams for {stats.batch_sizes.seen} steps only")
     at_peak = [ms for n, ms in zip(stats.batch_sizes, stats.step_ms) if n == n_streams][4:4 + steps]
     rows = []

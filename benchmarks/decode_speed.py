@@ -287,41 +287,52 @@ def runner_row(bb, policy, retention: float, steps: int) -> dict:
                 mb_per_step=rec["mb_per_step"])
 
 
+def kernel_times(prof, cuda: bool) -> dict:
+    """A torch.profiler run's {name: (self time us, count)}: on CUDA its device-side events only (an op's kernels,
+    not the op that launched them again), on the CPU its ops."""
+    from torch.autograd import DeviceType
+
+    out = {}
+    for e in prof.key_averages():
+        if cuda and e.device_type != DeviceType.CUDA:
+            continue
+        t = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if t > 0:
+            out[e.key] = (t, e.count)
+    return out
+
+
+def per_step(times: dict, steps: int, top: int) -> dict:
+    """`kernel_times` over `steps` decode steps: their sum and the `top` names by time, per step (us, launches)."""
+    rows = sorted(((t, k, c) for k, (t, c) in times.items()), reverse=True)
+    return dict(device_us_per_step=round(sum(t for t, _, _ in rows) / steps, 1),
+                top=[dict(kernel=k[:90], us_per_step=round(t / steps, 1), launches_per_step=round(c / steps, 2))
+                     for t, k, c in rows[:top]])
+
+
 def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15) -> dict:
     """Where a decode step's device time goes: the fused step run eagerly (a graph hides its kernels from the
     profiler) under torch.profiler, once for `steps` answer tokens and once for the prefill alone; the difference
     per kernel over `steps`: the `top` kernels by device time per step (us), with their launches per step."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import generate
 
     policy.check(retention)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
-    dev = "cuda" if _cuda() else "cpu"
 
     def kernels(n_new: int) -> dict:
         with profile(activities=acts) as prof:
             generate(bb, prompt, policy.fork(), retention=retention, max_new_tokens=n_new,
                      **{**FAST, "graph": False})
             _sync()
-        out = {}
-        for e in prof.key_averages():
-            if dev == "cuda" and e.device_type != DeviceType.CUDA:  # an op's kernels only, not the op again
-                continue
-            t = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
-            if t > 0:
-                out[e.key] = (t, e.count)
-        return out
+        return kernel_times(prof, _cuda())
 
     kernels(2)  # warm: compilation and allocation stay out of both runs
     base, run = kernels(1), kernels(steps + 1)
-    rows = sorted(((t - base.get(k, (0, 0))[0], k, c - base.get(k, (0, 0))[1]) for k, (t, c) in run.items()),
-                  reverse=True)
+    decode = {k: (t - base.get(k, (0, 0))[0], c - base.get(k, (0, 0))[1]) for k, (t, c) in run.items()}
     return dict(steps=steps, note="eager fused step, decode only (a prefill-only run subtracted); us per step",
-                device_us_per_step=round(sum(t for t, _, _ in rows) / steps, 1),
-                top=[dict(kernel=k[:90], us_per_step=round(t / steps, 1), launches_per_step=round(c / steps, 2))
-                     for t, k, c in rows[:top]])
+                **per_step(decode, steps, top))
 
 
 def section(results: dict, key: str, fn, out: Path | None) -> None:

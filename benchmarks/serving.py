@@ -166,44 +166,34 @@ def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: 
     """Where a batched decode step's device time goes at `n_streams` streams: `n_streams` equal requests in an
     unbounded pool, torch.profiler over `steps` decode steps taken while all of them run (eagerly, or replaying the
     composition's CUDA graph); the `top` kernels by device time per step (us) with their launches per step."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
+    skip = 4  # steps at the peak left out: the composition's eager steps and its capture
     r = 1.0 if method == "full" else retention
-    cap = n_streams + steps + 8  # every stream still runs when the last one joins, `steps` steps later too
+    cap = n_streams + steps + 2 * skip  # every stream still runs when the last one joins, `steps` steps later too
     template = policy_for(method, info, scores, prompt.n_audio, cap)
     template.check(r)
-    free = torch.cuda.mem_get_info()[0] if bb.device.type == "cuda" else 1e9
-    pool = KVPool.of_bytes(0.5 * free, bb.head_dim, bb.dtype, bb.device)
-    cuda = torch.cuda.is_available() and bb.device.type == "cuda"
+    cuda = bb.device.type == "cuda"
+    pool = KVPool.of_bytes(0.5 * (torch.cuda.mem_get_info()[0] if cuda else 1e9), bb.head_dim, bb.dtype, bb.device)
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     stats = BatchStats()
-    stats.batch_sizes = _PeakSteps(prof, n_streams, steps, skip=4)
+    stats.batch_sizes = _PeakSteps(prof, n_streams, steps, skip)
     for _, res in decode_batch(bb, [Request(i, prompt, cap, cap) for i in range(n_streams)], template.fork,
                                retention=r, pool=pool, stats=stats, **path):
         if isinstance(res, Exception):
             raise res
-    if stats.batch_sizes.seen < 4 + steps:
-        if stats.batch_sizes.seen >= 4:  # started, never stopped
+    if stats.batch_sizes.seen < skip + steps:
+        if stats.batch_sizes.seen >= skip:  # started, never stopped
             prof.stop()
         raise RuntimeError(f"the batch reached {n_streams} streams for {stats.batch_sizes.seen} steps only")
-    at_peak = [ms for n, ms in zip(stats.batch_sizes, stats.step_ms) if n == n_streams][4:4 + steps]
-    rows = []
-    for e in prof.key_averages():
-        if cuda and e.device_type != DeviceType.CUDA:  # kernels and copies only, not the ops that launch them again
-            continue
-        t = e.self_device_time_total if cuda else e.self_cpu_time_total  # (the CPU: the smoke's check only)
-        if t > 0:
-            rows.append((t, e.key, e.count))
-    rows.sort(reverse=True)
+    at_peak = [ms for n, ms in zip(stats.batch_sizes, stats.step_ms) if n == n_streams][skip:skip + steps]
+    # on the CPU (the smoke's check only) the ops' times
     return dict(kind="profile", method=method, retention=r, audio_tokens=prompt.n_audio, streams=n_streams,
                 steps=steps, graph=path.get("graph"), step_ms_wall_p50=_pct(at_peak, 50),
-                device_us_per_step=round(sum(t for t, _, _ in rows) / steps, 1),
-                top=[dict(kernel=k[:90], us_per_step=round(t / steps, 1), launches_per_step=round(c / steps, 2))
-                     for t, k, c in rows[:top]])
+                **ds.per_step(ds.kernel_times(prof, cuda), steps, top))
 
 
 def _pct(x, q) -> float | None:

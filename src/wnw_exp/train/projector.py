@@ -597,23 +597,22 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--device", default="auto")
     t.add_argument("--log-every", type=int, default=20)
     t.add_argument("--save-minutes", type=float, default=2.0)
-    e = sub.add_parser("eval")
+    def clips(parser, n: int, min_s: float, max_s: float):
+        """The weights and the clips an eval or a probe runs on."""
+        parser.add_argument("--trained-dir", default=None)
+        parser.add_argument("--n", type=int, default=n)
+        parser.add_argument("--split", default="dev")
+        parser.add_argument("--min-seconds", type=float, default=min_s)
+        parser.add_argument("--max-seconds", type=float, default=max_s)
+        parser.add_argument("--device", default="auto")
+        return parser
+
+    e = clips(sub.add_parser("eval"), 20, 120.0, 240.0)
     e.add_argument("--run-dir", default=None)
-    e.add_argument("--trained-dir", default=None)
-    e.add_argument("--n", type=int, default=20)
-    e.add_argument("--split", default="dev")
-    e.add_argument("--min-seconds", type=float, default=120.0)
-    e.add_argument("--max-seconds", type=float, default=240.0)
-    e.add_argument("--device", default="auto")
     e.add_argument("--predictions", default=None)
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    pr = sub.add_parser("probe", help="teacher-forced CE/accuracy on dev clips of natural and of shuffled text")
-    pr.add_argument("--trained-dir", default=None)
-    pr.add_argument("--n", type=int, default=4)
-    pr.add_argument("--split", default="dev")
-    pr.add_argument("--min-seconds", type=float, default=20.0)
-    pr.add_argument("--max-seconds", type=float, default=40.0)
-    pr.add_argument("--device", default="auto")
+    pr = clips(sub.add_parser("probe", help="teacher-forced CE/accuracy on dev clips of natural and of shuffled text"),
+               4, 20.0, 40.0)
     pr.add_argument("--without-audio", action="store_true",
                     help="also with the audio replaced by silence (the decoder's guess from the prompt alone)")
     x = sub.add_parser("export")

@@ -305,13 +305,21 @@ def _triton_device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-@pytest.mark.parametrize("G", [1, 4])
-def test_batched_ragged_attention_kernel_matches_dense_attention(G):
+@pytest.mark.parametrize("G,max_tiles", [(1, None), (4, None), (4, 3), (1, 2)])
+def test_batched_ragged_attention_kernel_matches_dense_attention(G, max_tiles, monkeypatch):
     """The batched kernel reads each (stream, KV head)'s dense tokens through its page table (pages scattered over
-    the pool, in no order, a dense length spanning several pages and ending inside one) and its audio slots."""
+    the pool, in no order, a dense length spanning several pages and ending inside one) and its audio slots. With
+    `max_tiles` the split-K is the one of a large batch (one program a head, its walk capped), each head then
+    spreading its own keys over fewer programs than it has tiles."""
     dev = _triton_device()
+    from wnw_exp.kv import triton_attention
     from wnw_exp.kv.packed import attention_batched_torch, observed_probs_torch
     from wnw_exp.kv.triton_attention import decode_attention_batched, observed_probs
+
+    if max_tiles is not None:
+        plain = triton_attention.n_splits_for
+        monkeypatch.setattr(triton_attention, "MAX_TILES_PER_PROGRAM", max_tiles)
+        monkeypatch.setattr(triton_attention, "n_splits_for", lambda k, h: plain(k, h, target_programs=1))
 
     torch.manual_seed(0)
     B, H, D, C, page = 3, 2, 32, 2000, 4

@@ -237,3 +237,26 @@ def test_engine_on_the_packed_store_matches_the_reference_store(method):
     if method not in ("full", "oracle"):
         full_kv = backbone.n_layers * backbone.n_kv_heads * prompt.n_audio * backbone.head_dim * 4 * 2
         assert fast.store_summary["audio_bytes_on_device"] < 0.6 * full_kv
+
+
+def test_split_k_caps_a_programs_walk_and_keeps_single_stream_shapes():
+    """n_splits_for: a single stream's shapes (8 KV heads, up to 16,000 keys) keep the split count of the formula
+    without a cap; a batch of many (stream, head) pairs gets enough programs that none walks more than
+    MAX_TILES_PER_PROGRAM tiles of the longest head (one program a pair had made a layer wait for its longest)."""
+    import triton
+
+    from wnw_exp.kv.triton_attention import BLOCK_N, MAX_TILES_PER_PROGRAM, n_splits_for
+
+    def uncapped(max_keys, n_heads, target=264):
+        tiles_total = max(1, triton.cdiv(max_keys, BLOCK_N))
+        tiles = max(1, triton.cdiv(tiles_total, max(1, target // n_heads)))
+        return triton.cdiv(tiles_total, tiles)
+
+    for keys in range(1, 16_000, 37):
+        assert n_splits_for(keys, 8) == uncapped(keys, 8)
+    for n_heads, keys in ((264, 3_300), (96, 3_300), (112, 7_800), (264, 64), (600, 12_000)):
+        n = n_splits_for(keys, n_heads)
+        tiles_total = triton.cdiv(keys, BLOCK_N)
+        assert triton.cdiv(tiles_total, n) <= MAX_TILES_PER_PROGRAM  # the longest head's walk per program
+        assert (n - 1) * triton.cdiv(tiles_total, n) < tiles_total  # no program without a tile of it
+    assert n_splits_for(3_300, 264) == 7 and uncapped(3_300, 264) == 1

@@ -219,12 +219,20 @@ class ObserverSum:
                                   BLOCK=self.BLOCK)
 
 
+# The longest walk of one split-K program, in tiles of BLOCK_N keys. Without it a batch of many (stream, KV head)
+# pairs gets one program a pair, and a layer waits for its longest head (WnW's anchors hold the whole audio:
+# 48 tiles at 3,000 audio tokens, against ~10 for a tidal head). Single-stream shapes never reach it below
+# 8 * 264 tiles (~17,000 keys with 8 KV heads), so their split counts are unchanged.
+MAX_TILES_PER_PROGRAM = 8
+
+
 def n_splits_for(max_keys: int, n_kv_heads: int, target_programs: int = 264) -> int:
     """Split-K programs per head for a per-head key bound: enough programs to fill the GPU, none without a tile
-    of the longest head. Each head then spreads its own keys over them (the partial kernels)."""
+    of the longest head, none walking more than MAX_TILES_PER_PROGRAM tiles of it. Each head then spreads its own
+    keys over them (the partial kernels)."""
     tiles_total = max(1, triton.cdiv(max_keys, BLOCK_N))
     want = max(1, target_programs // max(n_kv_heads, 1))
-    tiles = max(1, triton.cdiv(tiles_total, want))
+    tiles = min(MAX_TILES_PER_PROGRAM, max(1, triton.cdiv(tiles_total, want)))
     return triton.cdiv(tiles_total, tiles)
 
 

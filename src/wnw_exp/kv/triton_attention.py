@@ -221,8 +221,8 @@ class ObserverSum:
 
 # The longest walk of one split-K program, in tiles of BLOCK_N keys. Without it a batch of many (stream, KV head)
 # pairs gets one program a pair, and a layer waits for its longest head (WnW's anchors hold the whole audio:
-# 48 tiles at 3,000 audio tokens, against ~10 for a tidal head). Single-stream shapes never reach it below
-# 8 * 264 tiles (~17,000 keys with 8 KV heads), so their split counts are unchanged.
+# 48 tiles at 3,000 audio tokens, against ~10 for a tidal head). A single stream of 8 KV heads (33 programs a head)
+# reaches it only above 33 * 8 = 264 tiles (~17,000 keys), so its split counts are unchanged below that (tested).
 MAX_TILES_PER_PROGRAM = 8
 
 

@@ -222,10 +222,10 @@ def test_table5_layout_marks_and_missing():
     assert r"\multicolumn{4}{c}{6.79}" in tex and r"137.46$^\dagger$" in tex
 
 
-def _write_dir(d: Path, shard: int, num_shards: int, records: list[dict]) -> None:
+def _write_dir(d: Path, shard: int, num_shards: int, records: list[dict], n: int | None = None) -> None:
     (d / ".hydra").mkdir(parents=True)
     cfg = dict(model=dict(name="tiny_random"), dataset=dict(name="synthetic", split="test", shard=shard,
-                                                          num_shards=num_shards),
+                                                          num_shards=num_shards, n=n),
                method=dict(name="full"), retention=1.0, analysis=None, runs_root="x")
     (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"dataset.shard={shard}",
@@ -250,6 +250,28 @@ def test_shard_merge_recomputes_metrics_from_the_union(tmp_path):
     assert run.metrics["wer"] == pytest.approx(100 * (0 + 2 + 2) / (3 + 4 + 2))
     row = to_frame(runs).iloc[0]
     assert row["shards"] == "0,2" and not row["complete"] and "dataset.shard" not in row["overrides"]
+
+
+def test_an_interrupted_run_is_marked_incomplete(tmp_path):
+    """A run that kept fewer samples than its configuration selects (metrics.json's n_selected, or dataset.n for
+    runs written before it was recorded) is incomplete: ‡ in the tables, complete=False in runs.csv."""
+    rec = dict(id="s0", reference="a b", hypothesis="a b", task="transcribe", terminated=True, r_gpu=1.0,
+               r_gpu_cpu=1.0, ms_per_token=None, mb_per_step=0.0, error=None)
+    _write_dir(tmp_path / "legacy", 0, 1, [rec], n=20)  # no n_selected: dataset.n says 20
+    (run,) = collect_runs([tmp_path / "legacy"])
+    assert run.n_selected == 20 and not run.complete
+    d = tmp_path / "new"
+    _write_dir(d, 0, 1, [rec], n=20)  # the data set had one sample only: metrics.json says so
+    (d / "metrics.json").write_text(json.dumps(aggregate([rec]) | dict(n_selected=1)))
+    (run,) = collect_runs([d])
+    assert run.n_selected == 1 and run.complete
+    (d / "metrics.json").write_text(json.dumps(aggregate([rec]) | dict(n_selected=4)))
+    (run,) = collect_runs([d])
+    assert not run.complete and not to_frame([run]).iloc[0]["complete"]
+    t = table5(Matcher([Run([d], dict(model=dict(name="voxtral"), dataset=dict(name="librispeech_long",
+               split="test-clean", num_shards=1), method=dict(name="full"), retention=1.0, analysis=None), {},
+               None, [rec], dict(wer=0.0, n_samples=1, n_failed=0), n_selected=4)], WNW_DEFAULTS), ["voxtral"])
+    assert "| Full Cache | 0.00‡ |" in to_markdown(t)
 
 
 @pytest.mark.skipif(not any((Path(p) / "hydra_plugins" / "hydra_joblib_launcher").is_dir() for p in sys.path),

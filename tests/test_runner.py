@@ -37,7 +37,7 @@ def test_run_writes_the_run_directory(tmp_path):
     assert on_disk == metrics
     for key in ["wer", "r_gpu", "r_gpu_cpu", "ms_per_token", "terminated_rate", "n_samples"]:
         assert metrics[key] is not None
-    assert metrics["n_samples"] == 2 and metrics["r_gpu"] == 1.0
+    assert metrics["n_samples"] == 2 and metrics["n_selected"] == 2 and metrics["r_gpu"] == 1.0
     trace = json.loads((tmp_path / "run" / "trace" / "synthetic-test-0.json").read_text())
     assert len(trace["gpu_audio_tokens"]) == records[0]["n_new_tokens"] - 1
     env = json.loads((tmp_path / "run" / "environment.json").read_text())

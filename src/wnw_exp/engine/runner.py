@@ -153,7 +153,7 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool, stop: _StopOnSignal) -
         stop.holding = True  # a second signal must not cut metrics.json short
         interrupted = e
     records = [done[i] for i in selected if i in done]
-    metrics = aggregate(records)
+    metrics = aggregate(records) | dict(n_selected=len(selected))  # n_samples < n_selected: interrupted
     write_metrics(run_dir, metrics)
     if interrupted is not None:
         log.warning(f"interrupted: {len(records)} of {len(selected)} samples kept; rerun the same command to resume")

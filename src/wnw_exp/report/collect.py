@@ -47,6 +47,7 @@ class Run:
     metrics: dict
     shards: list[int] = field(default_factory=lambda: [0])
     num_shards: int = 1
+    n_selected: int | None = None  # samples the configuration selects (None: not recorded)
 
     # --- identity -------------------------------------------------------------------------------
     @property
@@ -91,7 +92,9 @@ class Run:
 
     @property
     def complete(self) -> bool:
-        return sorted(self.shards) == list(range(self.num_shards))
+        """Every shard is here and so is every sample the configuration selects (an interrupted run is not)."""
+        all_shards = sorted(self.shards) == list(range(self.num_shards))
+        return all_shards and (self.n_selected is None or len(self.records) >= self.n_selected)
 
     @property
     def method_config(self) -> dict:
@@ -274,7 +277,18 @@ def _merge(parts: list[dict]) -> Run:
     shards = sorted({int(_dig(p["config"], SHARD_KEY) or 0) for p in parts})
     return Run(run_dirs=[p["dir"] for p in parts], config=first["config"], overrides=overrides,
                experiment=first["experiment"], records=records, metrics=metrics, shards=shards,
-               num_shards=num_shards)
+               num_shards=num_shards, n_selected=_n_selected(parts, num_shards))
+
+
+def _n_selected(parts: list[dict], num_shards: int) -> int | None:
+    """How many samples the configuration selects: metrics.json's `n_selected`, summed over the shards; for a
+    run written before it was recorded, `dataset.n` of an unsharded run (a data set smaller than n then reads
+    as incomplete, which it is against what was asked); None when neither says."""
+    recorded = [(p["metrics"] or {}).get("n_selected") for p in parts]
+    if all(isinstance(n, int) for n in recorded):
+        return sum(recorded)
+    n = _dig(parts[0]["config"], "dataset.n")
+    return n if num_shards == 1 and isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def to_frame(runs: list[Run]) -> pd.DataFrame:

@@ -85,11 +85,12 @@ def figure1(summary: MismatchSummary, out_dir: Path, stem: str) -> list[Path]:
 def _wer_series(matcher: Matcher, model: str, method: str, role: str,
                 knobs: tuple = ()) -> list[tuple[float, float, float]]:
     """(target, measured r_GPU, WER) of a method's runs at the paper's retentions, by target. A run that did not
-    record r_GPU is drawn at its target."""
+    record r_GPU is drawn at its target; an incomplete one (interrupted, shards missing) is left out: a figure
+    has no mark for it (the tables show it with ‡)."""
     pts = []
     for r in MAIN_RETENTIONS:
         run, _ = matcher.find(Cell(model, role, method, r, knobs + (n_voice_knob(model, r) if method == "wnw" else ())))
-        if run is not None and run.metrics.get("wer") is not None:
+        if run is not None and run.complete and run.metrics.get("wer") is not None:
             measured = run.metrics.get("r_gpu")
             pts.append((r, r if measured is None else float(measured), float(run.metrics["wer"])))
     return sorted(pts)

@@ -2,7 +2,8 @@
 
 Each `table_*` function lays out one paper table with `Cell`s (see `specs.py` for how a cell finds its
 run). A cell without a run is blank and listed in `Table.missing`; every value shown is read from a run.
-Values carry a mark when the run is not clean: † some samples failed, ‡ some shards are missing.
+Values carry a mark when the run is not clean: † some samples failed, ‡ the run is incomplete (some shards, or
+some of the samples its configuration selects, are missing: an interrupted run).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from wnw_exp.report.collect import Run
 from wnw_exp.report.methods import label, table_methods
 from wnw_exp.report.specs import MAIN_RETENTIONS, PAPER_MODELS, PAPER_N_VOICE, Cell, Matcher, same
 
-FAILED_MARK, SHARD_MARK = "†", "‡"
+FAILED_MARK, INCOMPLETE_MARK = "†", "‡"
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Builder:
         if v is None:
             self.t.missing.append(f"{cell.describe()} [{cell.value}]: the run has no {cell.value} ({run.label})")
             return Out("", span)
-        mark = (FAILED_MARK if run.metrics.get("n_failed") else "") + ("" if run.complete else SHARD_MARK)
+        mark = (FAILED_MARK if run.metrics.get("n_failed") else "") + ("" if run.complete else INCOMPLETE_MARK)
         return Out(fmt(v, cell.value) + mark, span)
 
 
@@ -109,7 +110,7 @@ def _stand_in_notes(matcher: Matcher, models: list[str], roles: list[str]) -> li
 
 def _marks_note(t: Table) -> None:
     t.notes.append(f"{FAILED_MARK}: the run has failed samples (metrics over the others); "
-                   f"{SHARD_MARK}: shards of the run are missing.")
+                   f"{INCOMPLETE_MARK}: the run is incomplete (shards or selected samples missing).")
 
 
 def n_voice_knob(model: str, r: float) -> tuple[tuple[str, Any], ...]:

@@ -16,6 +16,8 @@ the middle third of the fused bias is zero).
 
 from __future__ import annotations
 
+import functools
+
 import re
 import struct
 from pathlib import Path
@@ -136,13 +138,18 @@ def gguf_llama(folder: str | Path, gguf_file: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the per-tensor progress bars of a one-time conversion
     hf_logging.disable_progress_bar()
+    bar = gguf_utils.tqdm  # its "Converting and de-quantizing" bar is a plain tqdm that ignores the switch above
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     finally:
+        gguf_utils.tqdm = bar
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     return model, tokenizer

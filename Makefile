@@ -27,7 +27,7 @@ run: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-FIGURES_MODEL ?= tiny
+FIGURES_MODEL ?= whisper_smollm2
 
 # Every table and figure: the small sweep on FIGURES_MODEL they need (complete runs are only resumed), then
 # wnw-report over outputs/runs (scripts/make_figures.sh lists the settings).

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # `make figures`: every table and figure of the paper, from run directories only (wnw-report).
 #
-# First the sweep the figures need, on the tiny model: every method of conf/method/ at r_GPU = 0.2, 0.4, 0.6,
+# First the sweep the figures need, on the embedded model: every method of conf/method/ at r_GPU = 0.2, 0.4, 0.6,
 # 0.8 (the oracle bound at both granularities), Full Cache once, and the §2.1 mismatch analysis (Full Cache,
 # analysis=mismatch), on a few synthetic clips. It always runs: a run that is already complete is resumed,
 # which decodes nothing ("k of n samples already done"), and one that is missing is made, whatever else
 # exists under $RUNS. The clips are the data set's defaults, so the run `make run` made is reused as the WnW
-# 0.2 point. Then the report. The tiny model stands in for the paper's backbones and the synthetic test split
+# 0.2 point. Then the report. The embedded model stands in for the paper's backbones and the synthetic test split
 # for LibriSpeech-Long test-clean (see the report's notes); nothing is filled in.
 #
-# Settings (environment): FIGURES_MODEL (tiny), FIGURES_N clips (2), FIGURES_METHODS (every conf/method/ but
+# Settings (environment): FIGURES_MODEL (whisper_smollm2), FIGURES_N clips (2), FIGURES_METHODS (every conf/method/ but
 # full), FIGURES_JOBS parallel runs (2; the joblib launcher when hydra-joblib-launcher is installed),
 # FIGURES_ARGS (extra wnw-run overrides, space-separated), FIGURES_SWEEP (1; 0 = report only), RUNS
 # (outputs/runs), OUT (outputs/report), BIN (.venv/bin).
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 RUNS=${RUNS:-outputs/runs}
 OUT=${OUT:-outputs/report}
-MODEL=${FIGURES_MODEL:-tiny}
+MODEL=${FIGURES_MODEL:-whisper_smollm2}
 N=${FIGURES_N:-2}
 JOBS=${FIGURES_JOBS:-2}
 all_methods=$(for f in conf/method/*.yaml; do n=$(basename "$f" .yaml); [ "$n" = full ] || printf '%s,' "$n"; done)
@@ -35,9 +35,9 @@ if [ "${FIGURES_SWEEP:-1}" = 1 ]; then
   if [ "$JOBS" -gt 1 ] && "$BIN/python" -c "import hydra_plugins.hydra_joblib_launcher" 2>/dev/null; then
     launcher=(hydra/launcher=joblib "hydra.launcher.n_jobs=$JOBS")
   fi
-  # One torch thread per run. A decode step of the tiny model is many small ops; with several threads
-  # each op waits for the others, and on a busy machine that wait dominates (measured on 2 shared cores:
-  # 3,100 ms/token with 2 threads, 33 ms/token with 1).
+  # One torch thread per run. A decode step of a small model is many small ops; with several threads each op
+  # waits for the others, and on a busy machine that wait dominates (measured on 2 shared cores with the
+  # retired 10 M-parameter tiny model: 3,100 ms/token with 2 threads, 33 ms/token with 1).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   read -r -a extra <<< "${FIGURES_ARGS:-}"
   common=("model=$MODEL" dataset=synthetic "dataset.n=$N" "runs_root=$RUNS" progress=false "${extra[@]}")

@@ -21,8 +21,8 @@ def test_synthetic_config_builds(tmp_path):
     cfg = OmegaConf.load(CONF / "synthetic.yaml")
     cfg.cache_dir = str(tmp_path)
     ds = build_dataset(cfg)
-    assert isinstance(ds, SyntheticDataset) and len(ds) == 8 and ds.split == "test"
-    assert (ds.min_seconds, ds.max_seconds) == (50.0, 70.0)
+    assert isinstance(ds, SyntheticDataset) and len(ds) == 4 and ds.split == "test"
+    assert (ds.min_seconds, ds.max_seconds) == (40.0, 60.0) and ds.text == "natural"
 
 
 def test_env_interpolation_gives_null_then_a_clear_error(monkeypatch):

@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
 # Here (not on the GPU machine): make the working tree small enough for a staging call, and restore it after.
-# A device call carries the working tree with its carried paths, 64 MiB in all; the tracked weights of model=tiny
-# (42 MB) and of whisper_smollm2 (16 MB) leave no room for a 47 MB staging part (docs/gpu.md).
-#   bash scripts/gpu/tree.sh out [all]   move tiny's weights (and with `all` whisper_smollm2's too) to $PARK
-#   bash scripts/gpu/tree.sh back        put them back (git checkout of the tracked files) before tests/commits
+# A device call carries the working tree with its carried paths, 64 MiB in all; the tracked weights of
+# whisper_smollm2 (16 MB) leave no room for a 57 MB staging part (docs/gpu.md).
+#   bash scripts/gpu/tree.sh out    move whisper_smollm2's trained weights to $PARK
+#   bash scripts/gpu/tree.sh back   put them back (git checkout of the tracked files) before tests/commits
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PARK=${PARK:-/tmp/wnw-parked-weights}
 case "${1:-}" in
   out)
-    mkdir -p "$PARK"
-    mv src/wnw_exp/backbones/tiny_model/*.safetensors "$PARK/" 2>/dev/null || true
-    if [ "${2:-}" = all ]; then
-      mkdir -p "$PARK/whisper_smollm2"
-      mv src/wnw_exp/backbones/whisper_smollm2/*.safetensors "$PARK/whisper_smollm2/" 2>/dev/null || true
-    fi
+    mkdir -p "$PARK/whisper_smollm2"
+    mv src/wnw_exp/backbones/whisper_smollm2/*.safetensors "$PARK/whisper_smollm2/" 2>/dev/null || true
     du -sh --exclude=.git --exclude=.venv --exclude=.stage --exclude=.whl --exclude=outputs . ;;
   back)
     # only what is missing comes back: an export copied into the tree since (not yet committed) is never overwritten
@@ -23,7 +19,6 @@ case "${1:-}" in
       [ -e "$dst" ] && continue
       if [ -e "$PARK/whisper_smollm2/$f" ]; then mv "$PARK/whisper_smollm2/$f" "$dst"; else git checkout -- "$dst"; fi
     done
-    git checkout -- src/wnw_exp/backbones/tiny_model/
     git status --short src/wnw_exp/backbones/ ;;
-  *) echo "usage: bash scripts/gpu/tree.sh out [all] | back"; exit 2 ;;
+  *) echo "usage: bash scripts/gpu/tree.sh out | back"; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """Which trained weights a model config runs with, as a fingerprint for the run identity (no torch import).
 
-The embedded models' weights ship inside the package (`tiny`'s in tiny_model/, `whisper_smollm2`'s trained
-projector and LoRA in whisper_smollm2/ or `model.trained_dir`) and change when they are trained further, while
+The embedded model's trained weights ship inside the package (`whisper_smollm2`'s projector and LoRA in
+whisper_smollm2/, or `model.trained_dir`) and change when they are trained further, while
 their config does not. `weights_fingerprint` hashes those files, so that a run directory never holds samples of
 two weight versions: new weights give a new `cfg-<hash>` (rundir.identity). Hub models and `model.path` folders
 are the user's (their paths are in the config already; hashing gigabytes at every start is not worth it), and
@@ -15,7 +15,6 @@ from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).parent / "backbones"
-TINY_MODEL_DIR = HERE / "tiny_model"
 WHISPER_SMOLLM2_DIR = HERE / "whisper_smollm2"  # the trained projector (+ LoRA) and its record
 
 
@@ -23,9 +22,7 @@ def trained_files(model: dict) -> list[Path] | None:
     """The weight files a model config loads from the package or `model.trained_dir`, else None."""
     if model.get("random"):
         return None
-    if model.get("path") == "builtin:tiny":
-        folder = TINY_MODEL_DIR
-    elif model.get("parts") == "whisper_smollm2" and not model.get("path"):
+    if model.get("parts") == "whisper_smollm2" and not model.get("path"):
         folder = Path(model["trained_dir"]) if model.get("trained_dir") else WHISPER_SMOLLM2_DIR
     else:
         return None

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt, WeightsNotFoundError, find_weights
-from wnw_exp.shipped_weights import TINY_MODEL_DIR
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -78,10 +77,7 @@ def _build(cfg: dict, family: str) -> Backbone:
 
 
 def _weights_dir(cfg: dict) -> Path:
-    path = cfg.get("path")
-    if path == "builtin:tiny":
-        path = str(TINY_MODEL_DIR)
-    return find_weights(path, cfg.get("repo_id"))
+    return find_weights(cfg.get("path"), cfg.get("repo_id"))
 
 
 def _load_voxtral(cfg: dict) -> Backbone:

@@ -1,4 +1,4 @@
-"""Training of the embedded models: `tiny` from scratch (`tiny.py`), `whisper_smollm2`'s projector and LoRA (`projector.py`)."""
+"""Training of the embedded model: `whisper_smollm2`'s projector and LoRA (`projector.py`, `wnw-train-projector`)."""
 
 
 def write_log(log_file, record: dict) -> None:

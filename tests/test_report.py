@@ -246,7 +246,7 @@ def test_shard_merge_recomputes_metrics_from_the_union(tmp_path):
     assert len(runs) == 1
     run = runs[0]
     assert run.shards == [0, 2] and run.num_shards == 3 and not run.complete  # shard 1 is missing
-    assert run.metrics == aggregate(a + b)
+    assert run.metrics == aggregate(a + b)  # no n_selected recorded, no dataset.n: none added
     assert run.metrics["wer"] == pytest.approx(100 * (0 + 2 + 2) / (3 + 4 + 2))
     row = to_frame(runs).iloc[0]
     assert row["shards"] == "0,2" and not row["complete"] and "dataset.shard" not in row["overrides"]

@@ -275,9 +275,12 @@ def _merge(parts: list[dict]) -> Run:
     overrides = {k: v for k, v in first["overrides"].items() if k != SHARD_KEY}
     num_shards = int(_dig(first["config"], "dataset.num_shards") or 1)
     shards = sorted({int(_dig(p["config"], SHARD_KEY) or 0) for p in parts})
+    n_selected = _n_selected(parts, num_shards)
+    if records and n_selected is not None:
+        metrics["n_selected"] = n_selected  # as metrics.json has it (summed over the shards)
     return Run(run_dirs=[p["dir"] for p in parts], config=first["config"], overrides=overrides,
                experiment=first["experiment"], records=records, metrics=metrics, shards=shards,
-               num_shards=num_shards, n_selected=_n_selected(parts, num_shards))
+               num_shards=num_shards, n_selected=n_selected)
 
 
 def _n_selected(parts: list[dict], num_shards: int) -> int | None:

@@ -272,6 +272,14 @@ def test_an_interrupted_run_is_marked_incomplete(tmp_path):
                split="test-clean", num_shards=1), method=dict(name="full"), retention=1.0, analysis=None), {},
                None, [rec], dict(wer=0.0, n_samples=1, n_failed=0), n_selected=4)], WNW_DEFAULTS), ["voxtral"])
     assert "| Full Cache | 0.00‡ |" in to_markdown(t)
+    # one configuration in two directories of one shard (a key spelled out, e.g. analysis=null, changes the
+    # directory, not the identity): n=4 in one, n=2 in the other; the union holds all 4 selected samples
+    rec1 = dict(rec, id="s1")
+    for name, recs in (("a", [rec, rec1]), ("b", [rec])):
+        _write_dir(tmp_path / "two" / name, 0, 1, recs, n=len(recs))
+        (tmp_path / "two" / name / "metrics.json").write_text(json.dumps(aggregate(recs) | dict(n_selected=len(recs))))
+    (run,) = collect_runs([tmp_path / "two"])
+    assert run.n_selected == 2 and run.complete
 
 
 @pytest.mark.skipif(not any((Path(p) / "hydra_plugins" / "hydra_joblib_launcher").is_dir() for p in sys.path),

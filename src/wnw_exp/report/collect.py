@@ -284,12 +284,19 @@ def _merge(parts: list[dict]) -> Run:
 
 
 def _n_selected(parts: list[dict], num_shards: int) -> int | None:
-    """How many samples the configuration selects: metrics.json's `n_selected`, summed over the shards; for a
-    run written before it was recorded, `dataset.n` of an unsharded run (a data set smaller than n then reads
-    as incomplete, which it is against what was asked); None when neither says."""
-    recorded = [(p["metrics"] or {}).get("n_selected") for p in parts]
-    if all(isinstance(n, int) for n in recorded):
-        return sum(recorded)
+    """How many samples the configuration selects: metrics.json's `n_selected`, summed over the shards (two
+    directories of one shard, e.g. the same configuration under two override spellings, count once, the larger);
+    for a run written before it was recorded, `dataset.n` of an unsharded run (a data set smaller than n then
+    reads as incomplete, which it is against what was asked); None when neither says."""
+    per_shard: dict[int, int] = {}
+    for p in parts:
+        n = (p["metrics"] or {}).get("n_selected")
+        if not isinstance(n, int):
+            break
+        shard = int(_dig(p["config"], SHARD_KEY) or 0)
+        per_shard[shard] = max(per_shard.get(shard, 0), n)
+    else:
+        return sum(per_shard.values())
     n = _dig(parts[0]["config"], "dataset.n")
     return n if num_shards == 1 and isinstance(n, int) and not isinstance(n, bool) else None
 

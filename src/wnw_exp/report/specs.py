@@ -15,7 +15,7 @@ Matching rule (`find_run`):
 - among several matches: the fewest other overrides, then the most finished samples, then the path;
   the choice is noted.
 
-Stand-ins: a model that is not one of the paper's backbones (e.g. `tiny`) gets its own block or row in
+Stand-ins: a model that is not one of the paper's backbones (e.g. `whisper_smollm2`) gets its own block or row in
 every table, and its data roles map to stand-in data sets (default: test-clean -> synthetic/test).
 """
 

@@ -22,12 +22,12 @@ each tidal head is charged only for the positions it misses, so the charge shrin
 mobility (`method.mobility`, in [0, 1]) is how fast the anchors' attention moves between chunks; `auto`
 takes the value wnw-calibrate measured on its calibration samples for the same swap settings
 (`calibration.run.measure_swap_mobility`: the mean recalled count over decode steps mapped back through
-the same formula), else `DEFAULT_MOBILITY` = 0.3 (the trained tiny model measures 0.30 on its calibration
-clips; the random-weight tiny_random, whose attention wanders, 0.51). Not modelled: the first delta - 1
-steps (shorter window), where on the clip the recalled segments lie (every segment is taken as equally
-likely), and how a given sample's attention moves: the mobility is a per-model mean, and single samples
-scatter around it (six synthetic test clips: tiny_random 0.24-0.72, the trained tiny model 0.26-0.32), so a
-run's r_GPU meets the target on average over samples, not each sample's. When even lambda = 0 expects
+the same formula), else `DEFAULT_MOBILITY` = 0.3 (the retired from-scratch tiny model measured 0.30 on its calibration
+clips, whisper_smollm2 0.18; the random-weight tiny_random, whose attention wanders, 0.51). Not modelled: the
+first delta - 1 steps (shorter window), where on the clip the recalled segments lie (every segment is taken as
+equally likely), and how a given sample's attention moves: the mobility is a per-model mean, and single
+samples scatter around it (six synthetic test clips: tiny_random 0.24-0.72, the retired tiny model 0.26-0.32;
+six calibration clips: whisper_smollm2 0.15-0.20), so a run's r_GPU meets the target on average over samples, not each sample's. When even lambda = 0 expects
 more than the target (the recall of a short clip on a model with few heads), the solver warns and runs
 at lambda = 0.
 

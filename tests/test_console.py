@@ -101,6 +101,9 @@ def test_progress_false_silences_every_bar(tmp_path):
     assert "run directory:" in quiet.stdout
     loud = wnw_run(*args, f"runs_root={tmp_path / 'loud'}", progress_env=True, cache=cache)
     assert "%|" in loud.stderr and "sample/s" in loud.stderr
+    again = wnw_run(*args, f"runs_root={tmp_path / 'quiet'}", "progress=false", progress_env=True, cache=cache)
+    assert "%|" not in again.stderr and "it/s" not in again.stderr  # resuming: our messages stay, the bars do not
+    assert "1 of 1 samples already done" in again.stderr and "run directory:" in again.stdout
 
 
 def test_full_runs_once_on_composed_configs():

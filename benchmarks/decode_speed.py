@@ -213,14 +213,19 @@ def scripted_wnw(info: dict, head_scores: Path, n_audio: int, steps: int, speed:
             self._s = torch.zeros(1, dtype=torch.long, device=ctx.device)
             self._mass = float(sum(len(self.observe_heads(li)) for li in range(ctx.n_layers)))
 
-        def after_step(self, step):
-            if not recall:
-                return
+        def _adjust_signal(self, step):  # before every decision, alone or in a batch (`WnW.after_step_all`)
             if step != -1:  # decode steps (the prefill decision keeps the prompt's own attention)
                 self.scores_acc.mul_(1 - beta).add_(torch.index_select(self._bumps, 0, self._s)[0],
                                                     alpha=beta * self._mass)
                 self._s += 1
-            super().after_step(step)
+
+        if not recall:  # placement only: no decision, alone or in a batch
+            def after_step(self, step):
+                return
+
+            @classmethod
+            def after_step_all(cls, policies, steps, held):
+                return
 
     return ScriptedWnW(head_scores=str(head_scores), backbone_info=info, **kw)
 

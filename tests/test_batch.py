@@ -411,10 +411,21 @@ def test_batched_rope_append_writes_through_the_page_table():
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not HAS_CUDA, reason="bf16 kernels on CUDA"))])
-def test_batched_step_in_triton_matches_bs1(dtype):
-    """The whole batched step with its Triton kernels (WnW: observers, recalls) against bs 1 on the same kernels (on
-    CUDA: with their CUDA graphs). bf16: the same tokens while the logits agree (near-ties may part them)."""
+def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
+    """The whole batched step with its Triton kernels (WnW: observers, recalls; every stream's store flushed in one
+    pair of launches, `flush_stores`) against bs 1 on the same kernels (on CUDA: with their CUDA graphs). bf16: the
+    same tokens while the logits agree (near-ties may part them)."""
+    import wnw_exp.kv.packed as packed
+
     dev = _triton_device()
+    flushes = []  # per batched flush: (its stores, their movable rows, the rows its tables flush)
+
+    def counted(stores, held=None):
+        packed_flush(stores, held)
+        flushes.append((len(stores), sum(len(s._flush_blocks()[None]["rows"]) for s in stores), held["tables"].n_rows))
+
+    packed_flush = packed.flush_stores
+    monkeypatch.setattr(packed, "flush_stores", counted)
     bb = _backbone("voxtral")
     bb.model.to(dev, dtype)
     path = dict(store="packed", fused=True, kernels="triton")
@@ -422,6 +433,9 @@ def test_batched_step_in_triton_matches_bs1(dtype):
     caps = (4, 3) if not HAS_CUDA else (12, 9)
     solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=caps, seconds=(8.0, 6.0))
     assert max(stats.batch_sizes) == 2
+    assert any(n == 2 for n, _, _ in flushes) and all(rows == n_rows > 0 for _, rows, n_rows in flushes)
+    if not HAS_CUDA:  # one flush a step (a CUDA graph replays its steps' flushes without calling flush_stores)
+        assert len(flushes) == len(stats.batch_sizes)
     # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels; bf16 rounds every GEMM
     tol = 1e-4 if not HAS_CUDA else 5e-3 if dtype == torch.float32 else 0.1
     for i, a in enumerate(solo):

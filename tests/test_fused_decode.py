@@ -2,8 +2,9 @@
 
 - the fused step (its kernels' PyTorch equivalents) gives the reference step's tokens, logits, accounting and
   method decisions, on both backbone families (tests/test_engine.py checks both against transformers' generate());
-- each Triton kernel of the step, the packed store's one-kernel flush, and the whole fused step in Triton match
-  their PyTorch equivalents: on CUDA, else in Triton's interpreter; skipped cleanly without triton;
+- each Triton kernel of the step, the packed store's flush (of one store, or of several together), and the whole
+  fused step in Triton match their PyTorch equivalents: on CUDA, else in Triton's interpreter; skipped cleanly
+  without triton;
 - the packed store's PyTorch attention matches the reference store, free slots skipped;
 - `decode_speed.py --smoke` runs every row at tiny dims on the CPU, importing nothing that the GPU machine lacks
   (hydra, omegaconf, soxr, soundfile, espeak, jiwer);
@@ -229,17 +230,17 @@ def test_triton_queueing_inside_a_capture_marks_what_the_torch_queueing_marks(mo
 L_F, H_F, D_F, PRE_F = 2, 3, 16, 2  # the flush tests' stores: layers, KV heads, head dim, text rows before the audio
 
 
-def _flush_store(kernels: str, n_audio: int, seed: int, dev, mirrored: bool = True):
+def _flush_store(kernels: str, n_audio: int, seed: int, dev, mirrored: bool = True, dtype=torch.float32):
     """A packed store whose heads each hold part of the audio on the device and part on the host only (one head,
     and with `mirrored=False` every head, without a host tier: it never moves), the last head with too little
     recall room (its recalls overflow)."""
     from wnw_exp.kv.packed import PackedAudioKVStore
 
-    st = PackedAudioKVStore(L_F, H_F, D_F, n_audio, dev, torch.float32, dense_capacity=8, kernels=kernels)
+    st = PackedAudioKVStore(L_F, H_F, D_F, n_audio, dev, dtype, dense_capacity=8, kernels=kernels)
     gen = torch.Generator().manual_seed(seed)
     a, b, c = n_audio // 5, n_audio // 7, n_audio * 6 // 7
     for li in range(L_F):
-        k = torch.randn(H_F, n_audio + PRE_F + 1, D_F, generator=gen).to(dev)
+        k = torch.randn(H_F, n_audio + PRE_F + 1, D_F, generator=gen).to(dev, dtype)
         st.write_prefill(li, k, k * 2, (PRE_F, PRE_F + n_audio))
         for h in range(H_F):
             perm = torch.randperm(n_audio, generator=gen)
@@ -308,6 +309,67 @@ def test_triton_flush_moves_what_the_torch_flush_moves(monkeypatch):
     got, src = torch.zeros(1, device=dev), torch.tensor([3.5, 1.0])
     read_host(src.pin_memory() if HAS_CUDA else src, got)
     assert float(got[0]) == 3.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_flush_of_several_stores_moves_what_each_torch_flush_moves(monkeypatch, dtype):
+    """`flush_stores`: a batch's stores flushed together (one `FlushTables`, one pair of launches) = each store's
+    own PyTorch flush, move for move and K/V word for word (fp32 rows copied as pairs of 16-bit words, bf16 as
+    one): four stores of three audio lengths, one whose heads cannot move (no host copy), one with PyTorch moves
+    (flushed on its own), one leaving the set after three steps (the tables are rebuilt for the others, and it is
+    left alone); random recalls and releases, some heads with nothing queued, a head too full (overflow)."""
+    dev = _triton_env()
+    _small_tiles(monkeypatch)
+    from wnw_exp.kv.packed import flush_stores
+
+    specs = [(70, 7, True, "triton"), (41, 8, True, "triton"), (70, 9, False, "triton"), (90, 10, True, "torch")]
+    pairs = [tuple(_flush_store(k, n, seed, dev, mirrored, dtype) for k in ("torch", kernels))
+             for n, seed, mirrored, kernels in specs]
+    held: dict = {}
+    made = []
+    for step in range(6):
+        batch = pairs if step < 3 else pairs[:1] + pairs[2:]  # the second store leaves after three steps
+        for ref, st in batch:
+            _queue_random(ref, step, dev)
+            _queue_random(st, step, dev)
+            ref.flush()
+        flush_stores([st for _, st in batch], held)
+        for j, (ref, st) in enumerate(pairs):
+            _same_store(ref, st, (step, j))
+        tables = held["tables"]
+        assert tables.n_rows == (L_F * H_F - 1) * (2 if step < 3 else 1)  # the movable rows of the Triton stores
+        assert not tables.count.any()  # the pair list is empty again for the next flush
+        made.append(tables)
+    assert made[0] is made[2] and made[2] is not made[3] and made[3] is made[5]
+    for j in (0, 1):
+        st = pairs[j][1]
+        assert int(st.overflow) > 0 and int(st._recalled) > 0
+    assert int(pairs[2][1]._recalled) == 0 and int(pairs[3][1]._recalled) > 0
+
+
+def test_one_record_of_several_stores_records_what_each_torch_record_step_records(monkeypatch):
+    """`record_steps`: a batch's stores' step accounting in one launch (`RecordTables`) = each store's own PyTorch
+    `record_step`, step by step: three Triton stores of two audio lengths and one with PyTorch kernels (recorded on
+    its own), moves flushed between the steps so the counts change; the tables made once."""
+    dev = _triton_env()
+    from wnw_exp.kv.packed import record_steps
+
+    specs = [(70, 7, "triton"), (41, 8, "triton"), (70, 9, "triton"), (90, 10, "torch")]
+    pairs = [tuple(_flush_store(k, n, seed, dev) for k in ("torch", kernels)) for n, seed, kernels in specs]
+    held: dict = {}
+    made = []
+    for step in range(5):
+        for ref, st in pairs:
+            for x in (ref, st):
+                _queue_random(x, step, dev)
+                x.flush()
+            ref.record_step()
+        record_steps([st for _, st in pairs], held)
+        made.append(held["record"])
+        for ref, st in pairs:
+            assert ref.steps == st.steps and int(st._n_rec) == step + 1
+    assert held["record"].n == 3 and all(m is made[0] for m in made)
+    assert len({s.n_gpu for s in pairs[0][1].steps}) > 1  # the resident count moved
 
 
 @pytest.mark.parametrize("case", ["voxtral-full", "voxtral-wnw", "qwen_omni-arkvale"])

@@ -1,5 +1,7 @@
 """WnW: triage, the lambda solver, prefill selection, the chunk-swap state machine, and the Full limit."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -451,7 +453,7 @@ def test_fused_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c
     """The one-launch Triton decision (`FusedChunkSwap`, Triton's interpreter on the CPU) gives `ChunkSwap`'s
     chunks, recalls and releases at every step, ties included, records them at its counter, counts the recalled
     segments, and zeroes the scores for the next step."""
-    pytest.importorskip("triton")
+    _needs_triton_interpreter()
     from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
 
     host = triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta)
@@ -537,13 +539,21 @@ def _packed_positions(store, layer, head):
     return (store.slot_of[layer * store.n_kv_heads + head] >= 0).nonzero().flatten().tolist()
 
 
+def _needs_triton_interpreter():
+    """These tests run Triton kernels on CPU tensors: Triton's interpreter only (TRITON_INTERPRET=1 before Triton's
+    import; a CUDA machine without it cannot launch on CPU tensors, and its kernels are covered by test_batch's)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kernel_fails(fails, monkeypatch):
     """On a packed store with Triton kernels (Triton's interpreter here) WnW decides in one launch
     (`FusedChunkSwap`); the decisions and the positions held are the host swap's, step by step. A chunk-swap
     kernel that raises (one this GPU cannot compile) warns once and the PyTorch decision takes over, with the
     same results."""
-    pytest.importorskip("triton")
+    _needs_triton_interpreter()
     import warnings as w
 
     from wnw_exp.methods.wnw import triton_swap
@@ -559,3 +569,171 @@ def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kerne
     assert dev.trace() == host.trace()
     fell_back = [x for x in caught if "one-launch chunk swap failed" in str(x.message)]
     assert len(fell_back) == (1 if fails else 0) and (dev._fused_swap is None) == fails
+
+
+def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone():
+    """Three WnW streams of different audio lengths (packed stores with Triton kernels, Triton's interpreter on the
+    CPU), four ways each step: each stream's own one-launch decision and its store's one-launch queueing (what a
+    captured step runs); the batch's decisions in one launch and its queueing in another (`ChunkSwapTables`, what a
+    captured batched step runs); `WnW.after_step_all` eagerly (the batch's warm-up steps); each policy's own
+    `after_step`. The same chosen chunks, masks, records, counters, segment states, zeroed scores and queues in all
+    four, step by step, the stores flushed between steps."""
+    _needs_triton_interpreter()
+    import functools
+
+    from wnw_exp.kv import triton_moves
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
+
+    lengths = (100, 70, 130)
+    sets = []
+    for _ in range(4):
+        streams = []
+        for n in lengths:
+            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
+                                        dense_capacity=32)
+            store.compact(headroom=policy.recall_headroom)
+            assert policy.on_device and policy._fused_swap is not None
+            streams.append((policy, store))
+        sets.append(streams)
+    alone, tables, together, own = sets
+    held: dict = {}
+    made = []
+    g = torch.Generator().manual_seed(5)
+    for step in range(10):
+        for b, n in enumerate(lengths):
+            p = torch.full((2, n), 1e-4)
+            start = int(torch.randint(0, n - 20, (1,), generator=g))
+            p[:, start:start + 20] = 0.05 + 0.01 * b
+            for streams in sets:
+                streams[b][0].observe(0, p.clone())
+        for policy, store in alone:
+            _, recall, release = policy._fused_swap(policy.scores_acc)
+            rows, pos, seg = policy._host_pairs()
+            triton_moves.queue_segments(rows, pos, seg, recall, release, store.slot_of, store.on_host,
+                                        store.queued_recall, store.queued_release)
+        t = ChunkSwapTables([(p._fused_swap, p.scores_acc, (s, p._host_pairs())) for p, s in tables], torch.device("cpu"))
+        t.decide()
+        t.queue()
+        WnW.after_step_all([p for p, _ in together], [step] * len(lengths), held)
+        made.append(held["swap_tables"])
+        for policy, _ in own:
+            policy.after_step(step)
+        for b in range(len(lengths)):
+            (pa, sa), *rest = [streams[b] for streams in sets]
+            assert sa.queued_recall.any() or sa.queued_release.any() or step > 0
+            for pb, sb in rest:
+                assert torch.equal(sa.queued_recall, sb.queued_recall) and torch.equal(sa.queued_release, sb.queued_release)
+                assert int(pa._t) == int(pb._t) == step + 1 and not pb.scores_acc.any()
+                for name in pa._rec:
+                    assert torch.equal(pa._rec[name], pb._rec[name]), (step, b, name)
+                for name in ("recalled", "unselected"):
+                    assert torch.equal(getattr(pa.device_swap, name), getattr(pb.device_swap, name))
+                for name in ("selected", "recall", "release"):
+                    assert torch.equal(getattr(pa._fused_swap, name), getattr(pb._fused_swap, name))
+        for streams in sets:
+            for _, store in streams:
+                store.end_step()
+        for b in range(len(lengths)):
+            sa = alone[b][1]
+            for streams in sets[1:]:
+                assert torch.equal(sa.slot_of, streams[b][1].slot_of)
+    assert all(m is made[0] for m in made)  # the batch's tables are made once
+    for policy, _ in alone:
+        assert policy._rec["recall"].any() and policy._rec["release"].any()
+
+
+def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_kernel_fails(monkeypatch):
+    """`WnW.after_step_all` with a batched decision kernel that raises (one this GPU cannot compile) warns and each
+    policy decides with the PyTorch kernels, as on its own after such a failure: the same records and queues as
+    policies stepping on their own with the PyTorch decision."""
+    _needs_triton_interpreter()
+    import functools
+    import warnings as w
+
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.methods.wnw import triton_swap
+
+    def broken(self):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(triton_swap.ChunkSwapTables, "decide", broken)
+    lengths = (100, 70)
+    sets = []
+    for _ in range(2):
+        streams = []
+        for n in lengths:
+            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
+                                        dense_capacity=32)
+            store.compact(headroom=policy.recall_headroom)
+            streams.append((policy, store))
+        sets.append(streams)
+    batch, own = sets
+    for policy, _ in own:
+        policy._fused_swap = None  # the PyTorch decision
+    held: dict = {}
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        for step in range(6):
+            for b, n in enumerate(lengths):
+                for streams in sets:
+                    streams[b][0].observe(0, focus(n, (13 * step + 7 * b) % (n - 20)))
+            WnW.after_step_all([p for p, _ in batch], [step] * 2, held)
+            for policy, _ in own:
+                policy.after_step(step)
+            for (pa, sa), (pb, sb) in zip(batch, own):
+                assert torch.equal(sa.queued_recall, sb.queued_recall) and torch.equal(sa.queued_release, sb.queued_release)
+                assert all(torch.equal(pa._rec[k], pb._rec[k]) for k in pa._rec) and int(pa._t) == step + 1
+            for streams in sets:
+                for _, store in streams:
+                    store.end_step()
+    assert len([x for x in caught if "one-launch chunk swap failed" in str(x.message)]) == 1
+    assert all(p._fused_swap is None for p, _ in batch) and "swap_tables" not in held
+    assert batch[0][0]._rec["recall"].any()
+
+
+def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
+    """`WnW._adjust_signal` (how the benchmarks script the anchor attention) runs once before every decision, both
+    when each policy decides on its own (`after_step`) and when a batch's policies decide in one launch
+    (`after_step_all`, Triton's interpreter): the same counters, decisions and queues either way. (The batched
+    decision once skipped a subclass's `after_step`, so the benchmarks' streams decided on unscripted attention.)"""
+    _needs_triton_interpreter()
+    import functools
+
+    from wnw_exp.kv.packed import PackedAudioKVStore
+
+    class Scripted(WnW):
+        def _adjust_signal(self, step):
+            if step != -1:
+                start = int(self._s) * 7 % (self.ctx.n_audio - 20)
+                self.scores_acc[start:start + 20] += 1.0
+                self._s += 1
+
+    lengths = (100, 130)
+    sets = []
+    for _ in range(2):
+        streams = []
+        for n in lengths:
+            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
+                                        dense_capacity=32)
+            store.compact(headroom=policy.recall_headroom)
+            policy.__class__ = Scripted
+            policy._s = torch.zeros((), dtype=torch.long)
+            streams.append((policy, store))
+        sets.append(streams)
+    batch, own = sets
+    held: dict = {}
+    for step in range(8):
+        Scripted.after_step_all([p for p, _ in batch], [step] * len(lengths), held)
+        for p, _ in own:
+            p.after_step(step)
+        for (pa, sa), (pb, sb) in zip(batch, own):
+            assert int(pa._s) == int(pb._s) == step + 1
+            assert torch.equal(sa.queued_recall, sb.queued_recall) and torch.equal(sa.queued_release, sb.queued_release)
+            for name in pa._rec:
+                assert torch.equal(pa._rec[name], pb._rec[name]), (step, name)
+        for streams in sets:
+            for _, store in streams:
+                store.end_step()
+    assert "swap_tables" in held  # the batch decided in one launch
+    assert all(p._rec["recall"].any() for p, _ in batch)  # the scripted focus moved, so segments were recalled

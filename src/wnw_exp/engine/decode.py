@@ -218,7 +218,7 @@ class Stream:
 
     def after_step(self, i: int | None) -> None:
         """The method's decision for the next step and the store's moves and accounting (fused path: the moves are
-        queued, flushed here)."""
+        queued, flushed here). A batch on the fused path does the same for all its streams at once (`_step_all`)."""
         self.policy.after_step(i)
         if self.path.fused:
             self.store.flush()
@@ -602,9 +602,17 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
     runner = batched["runner"]
     step = runner.step
 
-    def after_all(i: int | None) -> None:
+    def after_all(i: int | None) -> None:  # every decision, then every store's moves in one flush
+        from wnw_exp.kv.packed import flush_stores, record_steps
+
+        groups: dict = {}  # the policies of one class decide together (`Policy.after_step_all`)
         for st in active:
-            st.after_step(None if i is None else st.index)
+            groups.setdefault(type(st.policy), []).append(st)
+        for cls, sts in groups.items():
+            cls.after_step_all([st.policy for st in sts], [None if i is None else st.index for st in sts],
+                               batched.setdefault(("after_step", cls), {}))
+        flush_stores([st.store for st in active], batched.setdefault("flush", {}))
+        record_steps([st.store for st in active], batched.setdefault("record", {}))
 
     runner(0, after_all, graph=all(st.path.graph and st.store.graph_safe for st in active))
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None

@@ -24,7 +24,8 @@ Moves: `recall` / `release` mark (row, position) pairs in two device masks (a fi
 device-side method queue without a host read). `flush` applies them, on the heads that can move (those with a
 host copy): recalls first, each head's recalled positions (ascending) into its free slots (lowest first), then
 releases free their slots. With `kernels="triton"` two kernels do it (kv/triton_moves.py), the GPU reading the
-recalled K/V from the pinned host mirror itself (zero-copy over PCIe, no host involvement: graph-safe); with
+recalled K/V from the pinned host mirror itself (zero-copy over PCIe, no host involvement: graph-safe), and
+`flush_stores` flushes a batch's stores together in the same two launches; with
 `kernels="torch"` fixed-shape PyTorch ops do it (the specification), the host copying the recalled rows (not
 graph-safe). A recall that does not fit a head's free slots
 raises at once when moves are queued from the host, and is counted in `overflow` (checked by `check()`) when
@@ -121,6 +122,7 @@ class PackedAudioKVStore(StepAccounting):
         self._n_rec = torch.zeros((), device=dev, dtype=torch.long)  # steps recorded
         self._scratch: list[dict] = [{} for _ in range(L)]  # attention split buffers, reused by a graph
         self._observer_sums: dict = {}  # layer -> (its tensors' addresses, the ObserverSum made for them)
+        self._record_held: dict = {}  # its `record_step` with Triton kernels: a `RecordTables` of one
 
     def _set_layout(self) -> None:
         self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
@@ -405,10 +407,17 @@ class PackedAudioKVStore(StepAccounting):
                 t = lambda x: torch.as_tensor(x, device=self.device)  # noqa: E731
                 self._blocks[key] = dict(rows=t(rows), slots=t(slots), row=t(np.repeat(np.arange(len(rows)), caps)),
                                          local=t(np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps)),
-                                         start=t(np.cumsum(caps) - caps),
-                                         scratch=torch.empty(len(rows), 2 * self.n_audio + 1, dtype=torch.int32,
-                                                             device=self.device))
+                                         start=t(np.cumsum(caps) - caps), host_rows=rows)
         return self._blocks
+
+    def _flush_tables(self, layer: int | None):
+        """The Triton flush of one scope of this store (`FlushTables` of one store), made at its first use."""
+        b = self._flush_blocks()[layer]
+        if b is not None and "tables" not in b:
+            from wnw_exp.kv.triton_moves import FlushTables
+
+            b["tables"] = FlushTables([(self, b["host_rows"])], self.device)
+        return None if b is None else b["tables"]
 
     def flush(self, layer: int | None = None) -> None:
         """Apply the queued moves of one layer's heads (or of all): recalls into free slots, then releases.
@@ -416,13 +425,8 @@ class PackedAudioKVStore(StepAccounting):
         b = self._flush_blocks()[layer]
         if b is None:
             return
-        if self.moves == "triton":  # the same moves in two launches (kv/triton_moves.py)
-            from wnw_exp.kv.triton_moves import flush_rows
-
-            D = self.head_dim
-            flush_rows(b["rows"], self._offsets, self._caps, self.queued_recall, self.queued_release, self.slot_of,
-                       self.audio_pos, self.host_k.view(-1, D), self.host_v.view(-1, D), self.audio_k, self.audio_v,
-                       b["scratch"], self.n_resident, self.audio_len.view(-1), self.overflow, self._recalled)
+        if self.moves == "triton":  # the same moves in two launches (kv/triton_moves.py; `flush_stores` for several)
+            self._flush_tables(layer)()
             return
         N, dev = self.n_audio, self.device
         rows, slots, row, local = b["rows"], b["slots"], b["row"], b["local"]
@@ -572,10 +576,8 @@ class PackedAudioKVStore(StepAccounting):
     def record_step(self) -> None:
         """Close a decode step on the device: its resident audio tokens and the rows recalled so far (graph-safe;
         the moves it queued must be flushed first)."""
-        if self.kernels == "triton":  # the same four updates in one launch
-            from wnw_exp.kv.triton_moves import record_step
-
-            record_step(self.n_resident, self._recalled, self._n_rec, self._rec_n_gpu, self._rec_rows)
+        if self.kernels == "triton":  # the same four updates in one launch (a table of one; `record_steps`)
+            record_steps([self], self._record_held)
             return
         at = self._n_rec.view(1)
         self._rec_n_gpu.index_copy_(0, at, self.n_resident.sum().view(1))
@@ -613,6 +615,51 @@ class PackedAudioKVStore(StepAccounting):
         if self.audio_k is None:  # released to the pool
             return 0
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
+
+
+def flush_stores(stores, held: dict | None = None) -> None:
+    """Every store's `flush()`: those with Triton moves together, in one pair of launches (their `FlushTables`,
+    kept in `held` between calls and rebuilt when the set of stores, or a store's layout, changes: build it
+    outside a graph capture), the others (PyTorch moves) each by its own flush."""
+    parts = []
+    for st in stores:
+        if st.moves != "triton":
+            st.flush()
+            continue
+        b = st._flush_blocks()[None]
+        if b is not None:  # (none of its heads can move: nothing to flush)
+            parts.append((st, b))
+    if not parts:
+        return
+    held = {} if held is None else held
+    blocks = held.get("blocks")
+    if blocks is None or len(blocks) != len(parts) or any(x is not b for x, (_, b) in zip(blocks, parts)):
+        from wnw_exp.kv.triton_moves import FlushTables
+
+        held["blocks"] = [b for _, b in parts]  # (kept alive with the tables: their identities stay unique)
+        held["tables"] = FlushTables([(st, b["host_rows"]) for st, b in parts], parts[0][0].device)
+    held["tables"]()
+
+
+def record_steps(stores, held: dict | None = None) -> None:
+    """Every store's `record_step()`: those with Triton kernels together, in one launch (their `RecordTables`,
+    kept in `held` between calls and rebuilt when a store's tensors change: build it outside a graph capture),
+    the others each by its own."""
+    together = []
+    for st in stores:
+        if st.kernels == "triton":
+            together.append(st)
+        else:
+            st.record_step()
+    if not together:
+        return
+    from wnw_exp.kv.triton_moves import RecordTables
+
+    held = {} if held is None else held
+    tables = held.get("record")
+    if tables is None or tables.key != RecordTables.key_of(together):
+        tables = held["record"] = RecordTables(together, together[0].device)
+    tables()
 
 
 def attention_torch(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, dense_len: torch.Tensor,

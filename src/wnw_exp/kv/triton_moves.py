@@ -1,75 +1,112 @@
-"""Triton kernels of the packed store's moves: one launch applies a flush (`PackedAudioKVStore.flush`'s PyTorch
-code, the specification, is some 35 small kernels), and the GPU reads the recalled rows from the pinned host
-mirror itself (zero-copy over PCIe: no host thread, no staging buffer), so a CUDA graph can hold the whole move.
+"""Triton kernels of the packed store's moves: two launches apply a flush, of one store or of a batch's stores
+together (`PackedAudioKVStore.flush`'s PyTorch code, the specification, is some 35 small kernels per store), and
+the GPU reads the recalled rows from the pinned host mirror itself (zero-copy over PCIe: no host thread, no
+staging buffer), so a CUDA graph can hold the whole move.
 
-`flush_rows`: two launches. The first has one program per head (row) that can move, on device memory only.
-Recalls first: the row's recalled positions (queued, not resident), ascending, go to its free slots (position -1),
-ascending; the (position, slot) pairs are listed in the row's scratch; what finds no free slot is counted in
-`overflow`. Then releases free the slots of the queued positions; the row's resident count and scan length (one
-past its highest occupied slot) are rebuilt and its queues cleared. The second copies the listed K/V rows from the
-host mirror, one program per (row, tile of COPY pairs): many reads in flight over PCIe, where one program per row
-would wait on each of its tiles in turn (a slot a release freed in the same flush may receive its rows: it holds
-no position, so nothing attends to it).
+`FlushTables`: the flush of one or several stores (a batch's streams) in two launches, the stores' tensors found
+through a table of their addresses. The first launch has one program per head (row) that can move, on device
+memory only. It first checks the row's two queues: a row with nothing queued stops there (no slot scans, no
+writes). Recalls first: the row's recalled positions (queued, not resident), ascending, go to its free slots
+(position -1), ascending; what finds no free slot is counted in `overflow`; each (host mirror row, slot) pair is
+appended to one list for all the rows (an atomic counter). Then releases free the slots of the queued positions;
+the row's resident count and scan length (one past its highest occupied slot) are rebuilt and its queues cleared.
+The second launch copies the listed K/V rows from the host mirror as 16-bit words (whatever the dtype), a fixed
+grid walking the list a grid-stride apart: its work follows the pairs that move, many reads in flight over PCIe,
+and its last program empties the list (a slot a release freed in the same flush may receive its rows: it holds no
+position, so nothing attends to it). Fixed grids, no host read: a CUDA graph can hold both launches.
 `queue_segments`: recalls and releases chosen per segment (WnW's chunk swap), both queued in one launch.
-`record_step`: a decode step's accounting (resident tokens, rows recalled so far) in one launch.
+`RecordTables`: a decode step's accounting (resident tokens, rows recalled so far) of one or several stores in one
+launch.
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-SCAN, COPY = 1024, 64  # positions or slots per iteration: mask scans; slot scans that copy (COPY x D) K/V tiles
+SCAN = 1024  # positions or slots per iteration of a row's scans
+# The copy's fixed grid (at most COPY_PROGRAMS programs, each walking the pair list's tiles of COPY pairs a
+# grid-stride apart). Measured on the H200 (2026-12-02, docs/gpu.md): ArkVale at bs 1 (19.7 MB of recalls a step)
+# 4.34 / 4.34 / 4.43 ms a token with 2048 x 16 / 4096 x 8 / 1024 x 32 (256 x 64: 7.15; Full 3.00); 2048 x 16 it is.
+# WNW_COPY_GRID=PROGRAMSxPAIRS picks another for a timing sweep.
+COPY_PROGRAMS, COPY = (int(x) for x in os.environ.get("WNW_COPY_GRID", "2048x16").split("x"))
+
+# The fields of a store's row in `FlushTables.ptrs` (addresses, and its audio length N last).
+_REC, _REL, _SLOT_OF, _POS, _BASE, _CAP, _N_RES, _ALEN, _HK, _HV, _AK, _AV, _OVERFLOW, _RECALLED, _N = (
+    tl.constexpr(j) for j in range(15))
+NF = 15  # (`_field` reads rows of 15)
+FIELDS = ("queued_recall", "queued_release", "slot_of", "audio_pos", "_offsets", "_caps", "n_resident", "audio_len",
+          "host_k", "host_v", "audio_k", "audio_v", "overflow", "_recalled")
+assert len(FIELDS) + 1 == NF
 
 
 @triton.jit
-def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_ptr, pos_ptr,
-                       scratch_ptr, n_res_ptr, alen_ptr, overflow_ptr, recalled_ptr, N,
-                       SCAN: tl.constexpr, COPY: tl.constexpr):
+def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = 15):
+    """The tensor `j` (a pointer to `ty`) of the stores `s` (a scalar or a vector of store indices), in a table of
+    rows of NF fields (`FlushTables.ptrs` by default; `triton_swap.ChunkSwapTables` has its own)."""
+    return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
+
+
+@triton.jit
+def _flush_kernel(tbl, row_st_ptr, row_r_ptr, scr_off_ptr, scratch_ptr, pair_st_ptr, pair_src_ptr, pair_dst_ptr,
+                  cnt_ptr, SCAN: tl.constexpr):
     i = tl.program_id(0)
-    r = tl.load(rows_ptr + i).to(tl.int64)
-    base = tl.load(base_ptr + r).to(tl.int64)
-    cap = tl.load(cap_ptr + r).to(tl.int64)
+    st = tl.load(row_st_ptr + i)
+    r = tl.load(row_r_ptr + i).to(tl.int64)
+    rec_ptr, rel_ptr = _field(tbl, st, _REC, tl.int8), _field(tbl, st, _REL, tl.int8)
+    slot_of_ptr, pos_ptr = _field(tbl, st, _SLOT_OF, tl.int32), _field(tbl, st, _POS, tl.int32)
+    N = tl.load(tbl + st * 15 + _N)
+    base = tl.load(_field(tbl, st, _BASE, tl.int32) + r).to(tl.int64)
+    cap = tl.load(_field(tbl, st, _CAP, tl.int32) + r).to(tl.int64)
+    scr = scratch_ptr + tl.load(scr_off_ptr + i)  # this row's scratch: its recalled positions, cap of them at most
     lane = tl.arange(0, SCAN)
-    copy_lane = tl.arange(0, COPY)
     row_n = r * N
-    W = 2 * N + 1  # scratch row: positions [0, N), their slots [N, 2N), the pair count at 2N
-    srow = i.to(tl.int64) * W
-    # 1a. the recalled positions (queued, not resident), ascending, listed in this program's scratch row
+    # 1a. the recalled positions (queued, not resident), ascending, into the scratch (those past `cap` cannot find a
+    # free slot: only counted); and whether anything is queued on the row at all (else nothing below runs)
     n_rec = 0
+    n_queued = 0
     for p0 in range(0, N, SCAN):
         p = p0 + lane
         m = p < N
-        want = m & (tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0) \
-            & (tl.load(slot_of_ptr + row_n + p, mask=m, other=0) < 0)
+        rec = tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0
+        rel = tl.load(rel_ptr + row_n + p, mask=m, other=0) != 0
+        want = rec & (tl.load(slot_of_ptr + row_n + p, mask=rec, other=0) < 0)
         k = n_rec + tl.cumsum(want.to(tl.int32), 0) - 1
-        tl.store(scratch_ptr + srow + k, p, mask=want)
+        tl.store(scr + k, p, mask=want & (k < cap))
         n_rec += tl.sum(want.to(tl.int32), 0)
+        n_queued += tl.sum((rec | rel).to(tl.int32), 0)
+    busy = n_queued > 0
+    cap_b = tl.where(busy, cap, 0)
     tl.debug_barrier()
-    # 1b. the k-th free slot takes the k-th recalled position (its K/V: _copy_pairs_kernel)
+    # 1b. the k-th free slot takes the k-th recalled position; the (host row, slot) pair is appended to the list
+    # that _copy_list_kernel walks
     n_free = 0
-    for s0 in range(0, cap, SCAN):
+    for s0 in range(0, cap_b, SCAN):
         s = s0 + lane
         m = s < cap
         free = m & (tl.load(pos_ptr + base + s, mask=m, other=0) < 0)
         k = n_free + tl.cumsum(free.to(tl.int32), 0) - 1
         fill = free & (k < n_rec)
-        p = tl.load(scratch_ptr + srow + k, mask=fill, other=0)
-        tl.store(scratch_ptr + srow + N + k, (base + s).to(tl.int32), mask=fill)
+        p = tl.load(scr + k, mask=fill, other=0)
+        at = tl.atomic_add(cnt_ptr, tl.sum(fill.to(tl.int32), 0)) + k - n_free  # the fills' places in the list
+        tl.store(pair_st_ptr + at, tl.zeros([SCAN], tl.int32) + st, mask=fill)
+        tl.store(pair_src_ptr + at, (row_n + p).to(tl.int32), mask=fill)
+        tl.store(pair_dst_ptr + at, (base + s).to(tl.int32), mask=fill)
         tl.store(pos_ptr + base + s, p, mask=fill)
         tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
         n_free += tl.sum(free.to(tl.int32), 0)
-    tl.store(scratch_ptr + srow + 2 * N, tl.minimum(n_rec, n_free).to(tl.int32))
-    tl.atomic_add(overflow_ptr, tl.maximum(n_rec - n_free, 0).to(tl.int64))
-    tl.atomic_add(recalled_ptr, tl.minimum(n_rec, n_free).to(tl.int64))
+    tl.atomic_add(_field(tbl, st, _OVERFLOW, tl.int64), tl.maximum(n_rec - n_free, 0).to(tl.int64), mask=busy)
+    tl.atomic_add(_field(tbl, st, _RECALLED, tl.int64), tl.minimum(n_rec, n_free).to(tl.int64), mask=busy)
     tl.debug_barrier()
-    # 2. releases, and the row's resident count and scan length
+    # 2. releases, and the row's resident count and scan length (rebuilt where anything was queued)
     n_res = 0
     high = 0
-    for s0 in range(0, cap, SCAN):
+    for s0 in range(0, cap_b, SCAN):
         s = s0 + lane
         m = s < cap
         pv = tl.load(pos_ptr + base + s, mask=m, other=-1)
@@ -80,52 +117,87 @@ def _flush_rows_kernel(rows_ptr, base_ptr, cap_ptr, rec_ptr, rel_ptr, slot_of_pt
         keep = occ & ~gone
         n_res += tl.sum(keep.to(tl.int32), 0)
         high = tl.maximum(high, tl.max(tl.where(keep, (s + 1).to(tl.int32), 0), 0))
-    tl.store(n_res_ptr + r, n_res.to(tl.int64))
-    tl.store(alen_ptr + r, high.to(tl.int32))
-    for p0 in range(0, N, SCAN):
+    tl.store(_field(tbl, st, _N_RES, tl.int64) + r, n_res.to(tl.int64), mask=busy)
+    tl.store(_field(tbl, st, _ALEN, tl.int32) + r, high.to(tl.int32), mask=busy)
+    for p0 in range(0, tl.where(busy, N, 0), SCAN):
         p = p0 + lane
         m = p < N
         tl.store(rec_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
         tl.store(rel_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
 
 
-def flush_rows(rows: torch.Tensor, base: torch.Tensor, caps: torch.Tensor, queued_recall: torch.Tensor,
-               queued_release: torch.Tensor, slot_of: torch.Tensor, audio_pos: torch.Tensor, host_k: torch.Tensor,
-               host_v: torch.Tensor, audio_k: torch.Tensor, audio_v: torch.Tensor, scratch: torch.Tensor,
-               n_resident: torch.Tensor, audio_len: torch.Tensor, overflow: torch.Tensor,
-               recalled: torch.Tensor) -> None:
-    """Apply the queued moves of `rows` (see the module docstring). queued_* (R, N) bool, slot_of (R, N) int32,
-    audio_pos (C,) int32, host_k/v (R * N, D) pinned host memory (in Triton's interpreter: CPU tensors),
-    audio_k/v (C, D), scratch (len(rows), 2 N + 1) int32, n_resident (R,) int64, audio_len (R,) int32, overflow and
-    recalled int64 counters; base (R,) and caps (R,) each row's first slot and slot count."""
-    N, D = queued_recall.shape[1], audio_k.shape[1]
-    for t in (queued_recall, queued_release, slot_of, audio_pos, host_k, host_v, audio_k, audio_v, scratch):
-        assert t.is_contiguous()
-    assert scratch.shape == (len(rows), 2 * N + 1) and scratch.dtype == torch.int32
-    _flush_rows_kernel[(len(rows),)](rows, base, caps, queued_recall.view(torch.int8), queued_release.view(torch.int8),
-                                     slot_of, audio_pos, scratch, n_resident, audio_len, overflow, recalled, N,
-                                     SCAN=SCAN, COPY=COPY)
-    _copy_pairs_kernel[(len(rows), triton.cdiv(N, COPY))](rows, scratch, host_k, host_v, audio_k, audio_v, N,
-                                                         D=D, COPY=COPY)
-
-
 @triton.jit
-def _copy_pairs_kernel(rows_ptr, scratch_ptr, hk_ptr, hv_ptr, ak_ptr, av_ptr, N, D: tl.constexpr, COPY: tl.constexpr):
-    i = tl.program_id(0)
-    j = tl.program_id(1)
-    srow = i.to(tl.int64) * (2 * N + 1)
-    n = tl.load(scratch_ptr + srow + 2 * N)
-    k = j * COPY + tl.arange(0, COPY)
-    m = k < n
-    row_n = tl.load(rows_ptr + i).to(tl.int64) * N
-    p = tl.load(scratch_ptr + srow + k, mask=m, other=0).to(tl.int64)
-    slot = tl.load(scratch_ptr + srow + N + k, mask=m, other=0).to(tl.int64)
-    cols = tl.arange(0, D)
-    src = (row_n + p)[:, None] * D + cols[None, :]
-    dst = slot[:, None] * D + cols[None, :]
-    m2 = m[:, None]
-    tl.store(ak_ptr + dst, tl.load(hk_ptr + src, mask=m2), mask=m2)
-    tl.store(av_ptr + dst, tl.load(hv_ptr + src, mask=m2), mask=m2)
+def _copy_list_kernel(tbl, pair_st_ptr, pair_src_ptr, pair_dst_ptr, cnt_ptr, W: tl.constexpr, COPY: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    n = tl.load(cnt_ptr)
+    cols = tl.arange(0, W)
+    for t0 in range(pid * COPY, n, G * COPY):
+        k = t0 + tl.arange(0, COPY)
+        m = k < n
+        st = tl.load(pair_st_ptr + k, mask=m, other=0)
+        src = tl.load(pair_src_ptr + k, mask=m, other=0).to(tl.int64)[:, None] * W + cols[None, :]
+        dst = tl.load(pair_dst_ptr + k, mask=m, other=0).to(tl.int64)[:, None] * W + cols[None, :]
+        m2 = m[:, None]
+        # both host reads are issued before either store, so a tile has K's and V's reads in flight together
+        k_rows = tl.load(_field(tbl, st, _HK, tl.int16)[:, None] + src, mask=m2)
+        v_rows = tl.load(_field(tbl, st, _HV, tl.int16)[:, None] + src, mask=m2)
+        tl.store(_field(tbl, st, _AK, tl.int16)[:, None] + dst, k_rows, mask=m2)
+        tl.store(_field(tbl, st, _AV, tl.int16)[:, None] + dst, v_rows, mask=m2)
+    # the last program to finish empties the list for the next flush (every program has read n by then)
+    tl.debug_barrier()
+    last = tl.atomic_add(cnt_ptr + 1, 1) == G - 1
+    tl.store(cnt_ptr, 0, mask=last)
+    tl.store(cnt_ptr + 1, 0, mask=last)
+
+
+class FlushTables:
+    """The queued moves of several packed stores (`kv.packed.PackedAudioKVStore`) applied in two launches, the
+    flush of one store being a table of one (see the module docstring). `parts`: (store, its rows that can move,
+    a host int array) per store; the stores' tensors are separate allocations, so their addresses are in a table
+    (`ptrs`, one row of `FIELDS` per store, as `ObserverSum` does): made once, outside any graph capture, and
+    rebuilt when the set of stores or a store's layout changes (the tensors are kept alive here). Every store's K/V
+    must have the same row size in 16-bit words (`W`: the copy moves words, whatever the dtype)."""
+
+    def __init__(self, parts: list, device: torch.device):
+        ptrs, row_st, row_r, scr_off, keep, words = [], [], [], [], [], set()
+        n_slots = 0
+        for s, (store, rows) in enumerate(parts):
+            ts = [getattr(store, f) for f in FIELDS]
+            assert all(t.is_contiguous() for t in ts)
+            assert store.audio_k.element_size() in (2, 4, 8) and store.host_k.dtype == store.audio_k.dtype
+            words.add(store.head_dim * store.audio_k.element_size() // 2)
+            assert store.n_rows * store.n_audio < 2**31 and store.audio_k.shape[0] < 2**31  # int32 pairs
+            keep += ts
+            ptrs.append([t.data_ptr() for t in ts] + [store.n_audio])
+            for r in rows:
+                row_st.append(s)
+                row_r.append(int(r))
+                scr_off.append(n_slots)
+                n_slots += int(store.caps[r])  # a row's recalls fill at most its slots
+        assert len(words) <= 1, "FlushTables: the stores' K/V rows differ in size"
+        self.W = words.pop() if words else 1
+        assert self.W & (self.W - 1) == 0, "the K/V row size in 16-bit words must be a power of two"
+        self._keep = keep
+        as_t = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
+        self.ptrs = as_t(ptrs, torch.int64).view(-1, NF) if ptrs else None
+        self.row_st, self.row_r = as_t(row_st, torch.int32), as_t(row_r, torch.int32)
+        self.scr_off = as_t(scr_off, torch.int64)
+        self.n_rows, cap = len(row_r), max(n_slots, 1)
+        self.scratch = torch.empty(cap, dtype=torch.int32, device=device)
+        # the pairs to copy: store, host mirror row (r * N + position), slot (16 bytes a slot with the scratch)
+        self.pair_st, self.pair_src, self.pair_dst = (torch.empty(cap, dtype=torch.int32, device=device)
+                                                      for _ in range(3))
+        self.count = torch.zeros(2, dtype=torch.int32, device=device)  # pairs listed; copy programs done
+        self.copy_programs = min(COPY_PROGRAMS, triton.cdiv(cap, COPY))
+
+    def __call__(self) -> None:
+        if self.n_rows == 0:
+            return
+        _flush_kernel[(self.n_rows,)](self.ptrs, self.row_st, self.row_r, self.scr_off, self.scratch, self.pair_st,
+                                      self.pair_src, self.pair_dst, self.count, SCAN=SCAN)
+        _copy_list_kernel[(self.copy_programs,)](self.ptrs, self.pair_st, self.pair_src, self.pair_dst, self.count,
+                                                 W=self.W, COPY=COPY)
 
 
 @triton.jit
@@ -164,9 +236,11 @@ def queue_pairs(recall: bool, rows: torch.Tensor, pos: torch.Tensor, select: tor
 
 
 @triton.jit
-def _queue_segments_kernel(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
-                           qrel_ptr, n, N, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _queue_segments_block(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
+                          qrel_ptr, blk, n, N, BLOCK: tl.constexpr):
+    """Block `blk` of BLOCK pairs of one store's `queue_segments` (the direct kernel and the tables' kernel,
+    `triton_swap.ChunkSwapTables`, both run it)."""
+    i = blk * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     flat = tl.load(r_ptr + i, mask=m, other=0).to(tl.int64) * N + tl.load(p_ptr + i, mask=m, other=0)
     host = m & (tl.load(on_host_ptr + flat, mask=m, other=0) != 0)
@@ -176,6 +250,13 @@ def _queue_segments_kernel(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, sl
     rel = host & (tl.load(rel_mask_ptr + sg, mask=host, other=0) != 0) & resident
     tl.store(qrec_ptr + flat, tl.full([BLOCK], 1, tl.int8), mask=rec)
     tl.store(qrel_ptr + flat, tl.full([BLOCK], 1, tl.int8), mask=rel)
+
+
+@triton.jit
+def _queue_segments_kernel(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
+                           qrel_ptr, n, N, BLOCK: tl.constexpr):
+    _queue_segments_block(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
+                          qrel_ptr, tl.program_id(0), n, N, BLOCK)
 
 
 def queue_segments(rows: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, recall: torch.Tensor,
@@ -196,23 +277,48 @@ def queue_segments(rows: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, rec
 
 
 @triton.jit
-def _record_step_kernel(n_res_ptr, R, recalled_ptr, n_rec_ptr, rec_gpu_ptr, rec_rows_ptr, BLOCK: tl.constexpr):
+def _record_step_kernel(tbl, BLOCK: tl.constexpr):
+    st = tl.program_id(0)
+    n_res_ptr = _field(tbl, st, 0, tl.int64, 6)
+    R = tl.load(tbl + st * 6 + 5)
     total = tl.zeros([BLOCK], tl.int64)
     for r0 in range(0, R, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         total += tl.load(n_res_ptr + r, mask=r < R, other=0)
+    n_rec_ptr = _field(tbl, st, 2, tl.int64, 6)
     at = tl.load(n_rec_ptr)
-    tl.store(rec_gpu_ptr + at, tl.sum(total, 0))
-    tl.store(rec_rows_ptr + at, tl.load(recalled_ptr))
+    tl.store(_field(tbl, st, 3, tl.int64, 6) + at, tl.sum(total, 0))
+    tl.store(_field(tbl, st, 4, tl.int64, 6) + at, tl.load(_field(tbl, st, 1, tl.int64, 6)))
     tl.store(n_rec_ptr, at + 1)
 
 
-def record_step(n_resident: torch.Tensor, recalled: torch.Tensor, n_rec: torch.Tensor, rec_n_gpu: torch.Tensor,
-                rec_rows: torch.Tensor) -> None:
-    """`PackedAudioKVStore.record_step` in one launch: at step n_rec, the resident audio tokens (the sum of
-    n_resident (R,) int64) and the rows recalled so far (`recalled`, () int64); then n_rec += 1."""
-    assert n_resident.is_contiguous() and n_resident.dtype == torch.int64
-    _record_step_kernel[(1,)](n_resident, n_resident.numel(), recalled, n_rec, rec_n_gpu, rec_rows, BLOCK=256)
+RECORD_FIELDS = ("n_resident", "_recalled", "_n_rec", "_rec_n_gpu", "_rec_rows")
+
+
+class RecordTables:
+    """`PackedAudioKVStore.record_step` of several stores (a batch's streams) in one launch, one program per store
+    (one store: a table of one): at step n_rec, the resident audio tokens (the sum of n_resident (R,) int64) and
+    the rows recalled so far (`_recalled`, () int64); then n_rec += 1. The stores' tensors' addresses are in a
+    table (`ptrs`, rows of RECORD_FIELDS and R): made outside any graph capture, rebuilt when `key` changes."""
+
+    def __init__(self, stores: list, device: torch.device):
+        rows, self._keep = [], []
+        for store in stores:
+            ts = [getattr(store, f) for f in RECORD_FIELDS]
+            assert all(t.dtype == torch.int64 and t.is_contiguous() for t in ts)
+            self._keep += ts
+            rows.append([t.data_ptr() for t in ts] + [store.n_resident.numel()])
+        self.key = self.key_of(stores)
+        self.n = len(rows)
+        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, 6)
+
+    @staticmethod
+    def key_of(stores: list) -> list:
+        return [getattr(s, f).data_ptr() for s in stores for f in RECORD_FIELDS]
+
+    def __call__(self) -> None:
+        if self.n:
+            _record_step_kernel[(self.n,)](self.ptrs, BLOCK=256)
 
 
 @triton.jit

@@ -116,6 +116,14 @@ class Policy:
         """After all layers of decode step `step` (None inside a captured graph; -1 from `after_prefill`):
         decisions for the next step."""
 
+    @classmethod
+    def after_step_all(cls, policies: list["Policy"], steps: list, held: dict) -> None:
+        """`after_step(steps[i])` of several policies of this class (a batch's streams, each with its own state and
+        store); `held`: the caller's dict for what a method keeps between calls for this set of policies (its
+        batched kernels' tables). The default calls each one's `after_step`."""
+        for p, i in zip(policies, steps):
+            p.after_step(i)
+
     def trace(self) -> dict:
         """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable."""
         return {}

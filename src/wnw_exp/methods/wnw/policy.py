@@ -298,6 +298,15 @@ class WnW(Policy):
             self.after_step(-1)  # the first decision, from the prompt's last row, in force at decode step 0
 
     def after_step(self, step: int | None) -> None:
+        self._adjust_signal(step)
+        self._decide(step)
+
+    def _adjust_signal(self, step: int | None) -> None:
+        """Before each decision (`after_step`, or a batch's `after_step_all`): a subclass's change to the accumulated
+        anchor signal `scores_acc` (graph-safe; the benchmarks' scripted anchor attention,
+        `benchmarks/decode_speed.py: scripted_wnw`). None here."""
+
+    def _decide(self, step: int | None) -> None:
         if not self.has_anchors:
             return
         if self.on_device:
@@ -341,16 +350,66 @@ class WnW(Policy):
             (recall, release), now = (held_rec.clone(), held_rel.clone()), (recall, release)
             held_rec.copy_(now[0])
             held_rel.copy_(now[1])
-        if self._pairs is None:  # every tidal head's host-tier (row, position) pairs and their segments
+        self._queue(recall, release)
+
+    def _host_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every tidal head's host-tier (row, position) pairs and their segments, int64 device tensors (made at the
+        first chunk swap, an eager one)."""
+        if self._pairs is None:
             H = self.ctx.n_kv_heads
             rows = [torch.full((len(c),), li * H + k) for (li, k), c in self.offloaded.items()]
             pos = list(self.offloaded.values())
             rows, pos = (torch.cat(rows), torch.cat(pos)) if rows else (torch.zeros(0, dtype=torch.long),) * 2
             dev = self.ctx.device
             self._pairs = rows.to(dev), pos.to(dev), (pos // self.n_s).to(dev)
-        rows, pos, seg = self._pairs
+        return self._pairs
+
+    def _queue(self, recall: torch.Tensor, release: torch.Tensor) -> None:
+        rows, pos, seg = self._host_pairs()
         if len(pos):  # both queues, chosen per segment (one launch inside a capture)
             self.store.queue_segments(rows, pos, seg, recall, release)
+
+    @classmethod
+    def after_step_all(cls, policies: list["WnW"], steps: list, held: dict) -> None:
+        """A batch's `after_step`s: the policies deciding in one Triton launch on their own (on the device, with
+        the store's Triton kernels, lag 1) decide together in one launch (`triton_swap.ChunkSwapTables`, its
+        tables kept in `held` and rebuilt when a tensor in them changes: build them outside a graph capture), and
+        inside a capture queue their moves together in a second; eagerly each queues its own (the store's checks).
+        The others step on their own. Each policy's state, records and queued moves are what its own `after_step`
+        makes."""
+        together = [p for p in policies if p.has_anchors and p.on_device and p._fused_swap is not None
+                    and p.lag == 1 and p.store.moves == "triton"]
+        for p, i in zip(policies, steps):
+            if not any(p is q for q in together):
+                p.after_step(i)
+        if not together:
+            return
+        from wnw_exp.kv.packed import _capturing
+        from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
+
+        for p, i in zip(policies, steps):
+            if any(p is q for q in together):
+                p._adjust_signal(i)
+        parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p in together]
+        tables = held.get("swap_tables")
+        try:
+            if tables is None or tables.key != ChunkSwapTables.key_of(parts):
+                tables = held["swap_tables"] = ChunkSwapTables(parts, together[0].ctx.device)
+            tables.decide()
+        except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot compile (the first call is eager)
+            warnings.warn(f"WnW: the one-launch chunk swap failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "deciding with the PyTorch kernels instead", stacklevel=2)
+            held.pop("swap_tables", None)
+            for p, i in zip(policies, steps):
+                if any(p is q for q in together):
+                    p._fused_swap = None
+                    p._decide(i)  # its signal is adjusted already
+            return
+        if _capturing():
+            tables.queue()
+        else:
+            for p in together:
+                p._queue(p._fused_swap.recall, p._fused_swap.release)
 
     def _move(self, segs: list[int], recall: bool) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the

@@ -1,7 +1,10 @@
 """WnW's per-step chunk-swap decision in one Triton launch (`triage.DeviceChunkSwap.step`'s PyTorch code, the
 specification, is some 25 small kernels; with the decision's records and the score reset around it, some 33).
 
-`FusedChunkSwap`: one program for one stream's decision. It
+`ChunkSwapTables`: the decisions of several streams (a batch's WnW policies) in one launch, one program per stream,
+each stream's tensors found through a table of their addresses (as `kv.triton_moves.FlushTables`), and the queueing
+of their tidal heads' recalls and releases (the store's `queue_segments`) in a second launch; `FusedChunkSwap`, one
+stream's decision, is a table of one. Each program
 
 1. sums each chunk's anchor scores in float64, in order (chunk c covers tokens [c n_s, min(c n_s + n_c, N))) and
    divides by the chunk's length: the chunk means;
@@ -22,11 +25,28 @@ import torch
 import triton
 import triton.language as tl
 
+from wnw_exp.kv.triton_moves import _field, _queue_segments_block
+
+# The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses) and sizes, then its
+# queueing's (the tidal heads' host-tier pairs and segments, the store's tensors) and sizes.
+(_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
+ _DELTA, _ROWS, _POS, _SEG, _SLOT_OF, _ON_HOST, _QREC, _QREL, _NPAIRS, _NSTORE) = (tl.constexpr(j) for j in range(25))
+NF = 25  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
+_NF = tl.constexpr(NF)
+
 
 @triton.jit
-def _chunk_swap_kernel(a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr, release_ptr, t_ptr,
-                       rec_sel_ptr, rec_recall_ptr, rec_release_ptr, rec_res_ptr, N, n_s, n_c, top_k, delta,
-                       C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
+def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
+    st = tl.program_id(0)
+    a_ptr, rec_ptr = _field(tbl, st, _A, tl.float32, _NF), _field(tbl, st, _RECALLED, tl.int8, _NF)
+    unsel_ptr, sel_ptr = _field(tbl, st, _UNSEL, tl.int64, _NF), _field(tbl, st, _SEL, tl.int8, _NF)
+    recall_ptr, release_ptr = _field(tbl, st, _RECALL, tl.int8, _NF), _field(tbl, st, _RELEASE, tl.int8, _NF)
+    t_ptr, rec_res_ptr = _field(tbl, st, _T, tl.int64, _NF), _field(tbl, st, _R_RES, tl.int64, _NF)
+    rec_sel_ptr, rec_recall_ptr = _field(tbl, st, _R_SEL, tl.int8, _NF), _field(tbl, st, _R_RECALL, tl.int8, _NF)
+    rec_release_ptr = _field(tbl, st, _R_RELEASE, tl.int8, _NF)
+    N, n_s = tl.load(tbl + st * _NF + _N), tl.load(tbl + st * _NF + _NS)
+    n_c, top_k = tl.load(tbl + st * _NF + _NC), tl.load(tbl + st * _NF + _TOPK)
+    delta = tl.load(tbl + st * _NF + _DELTA)
     n_seg = (N + n_s - 1) // n_s
     # chunks: start c * n_s while the previous chunk ended before N
     n_ch = tl.maximum((tl.maximum(N - n_c, 0) + n_s - 1) // n_s + 1, 1)
@@ -82,8 +102,82 @@ def _chunk_swap_kernel(a_ptr, rec_ptr, unsel_ptr, sel_ptr, recall_ptr, release_p
         tl.store(a_ptr + p, tl.zeros([1024], tl.float32), mask=p < N)
 
 
-def _i8(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int8) if x.dtype == torch.bool else x
+@triton.jit
+def _queue_kernel(tbl, BLOCK: tl.constexpr):
+    """Block program_id(0) of stream program_id(1)'s pairs: the store's `queue_segments` with its decision's masks."""
+    st = tl.program_id(1)
+    n = tl.load(tbl + st * _NF + _NPAIRS)
+    if tl.program_id(0) * BLOCK < n:
+        _queue_segments_block(_field(tbl, st, _ROWS, tl.int64, _NF), _field(tbl, st, _POS, tl.int64, _NF),
+                              _field(tbl, st, _SEG, tl.int64, _NF), _field(tbl, st, _RECALL, tl.int8, _NF),
+                              _field(tbl, st, _RELEASE, tl.int8, _NF), _field(tbl, st, _SLOT_OF, tl.int32, _NF),
+                              _field(tbl, st, _ON_HOST, tl.int8, _NF), _field(tbl, st, _QREC, tl.int8, _NF),
+                              _field(tbl, st, _QREL, tl.int8, _NF), tl.program_id(0), n,
+                              tl.load(tbl + st * _NF + _NSTORE), BLOCK)
+
+
+class ChunkSwapTables:
+    """The decisions of several streams' chunk swaps in one launch (`decide`) and the queueing of their moves in a
+    second (`queue`); see the module docstring. `parts`: (its `FusedChunkSwap`, its scores (n_audio,) float32,
+    and for the queueing (store, (rows, positions, segments) int64 pairs) or None) per stream. The tensors'
+    addresses are in a table (`ptrs`, one row of NF fields per stream): made once, outside any graph capture, and
+    rebuilt when any of them changes (`key`: compare `ChunkSwapTables.key_of(parts)`); the tensors are kept alive
+    here."""
+
+    QUEUE_BLOCK = 1024
+
+    def __init__(self, parts: list, device: torch.device):
+        rows, keep = [], []
+        for fused, scores, queue in parts:
+            assert scores.is_contiguous() and scores.dtype == torch.float32
+            sw, r = fused.swap, fused.records
+            assert sw.unselected.dtype == torch.int64 and r["resident"].dtype == torch.int64
+            ts = [scores, sw.recalled, sw.unselected, fused.selected, fused.recall, fused.release, fused.t,
+                  r["selected"], r["recall"], r["release"], r["resident"]]
+            sizes = [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta]
+            if queue is not None:
+                store, (p_rows, p_pos, p_seg) = queue
+                qs = [p_rows, p_pos, p_seg, store.slot_of, store.on_host, store.queued_recall, store.queued_release]
+                assert all(x.dtype == torch.int64 for x in (p_rows, p_pos, p_seg)) and store.slot_of.dtype == torch.int32
+                assert all(x.is_contiguous() for x in qs)
+                qsizes = [p_pos.numel(), store.slot_of.shape[1]]
+            else:
+                qs, qsizes = [], [0, 0]
+            keep += ts + qs
+            rows.append([x.data_ptr() for x in ts] + sizes + [x.data_ptr() for x in qs] + [0] * (7 - len(qs)) + qsizes)
+        self.key = self.key_of(parts)
+        self._keep = keep
+        self.n = len(rows)
+        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, NF)
+        self.pads = dict(C_PAD=max(16, triton.next_power_of_2(max(f.swap.n_chunks for f, _, _ in parts))),
+                         S_PAD=max(16, triton.next_power_of_2(max(f.swap.n_seg for f, _, _ in parts))),
+                         K_MAX=max(1, max(f.top_k for f, _, _ in parts)))
+        n_pairs = max((q[1][1].numel() for _, _, q in parts if q is not None), default=0)
+        self.queue_blocks = triton.cdiv(n_pairs, self.QUEUE_BLOCK)
+
+    @staticmethod
+    def key_of(parts: list) -> list:
+        """What the tables were built from (every tensor's address): a part that changes needs new tables."""
+        key = []
+        for fused, scores, queue in parts:
+            key += [id(fused), scores.data_ptr()]
+            if queue is not None:
+                store, pairs = queue
+                key += [x.data_ptr() for x in (*pairs, store.slot_of, store.on_host, store.queued_recall,
+                                                store.queued_release)]
+            else:
+                key.append(None)
+        return key
+
+    def decide(self) -> None:
+        """Every stream's decision, records, counter and score reset (`_chunk_swap_kernel`, one program each)."""
+        _chunk_swap_kernel[(self.n,)](self.ptrs, **self.pads)
+
+    def queue(self) -> None:
+        """Every stream's `store.queue_segments(rows, positions, segments, recall, release)` with the masks its
+        decision wrote (graph-safe: what the store queues inside a capture with Triton moves)."""
+        if self.queue_blocks:
+            _queue_kernel[(self.queue_blocks, self.n)](self.ptrs, BLOCK=self.QUEUE_BLOCK)
 
 
 class FusedChunkSwap:
@@ -104,16 +198,13 @@ class FusedChunkSwap:
         self.selected = torch.zeros(swap.n_chunks, dtype=torch.bool, device=dev)
         self.recall = torch.zeros(swap.n_seg, dtype=torch.bool, device=dev)
         self.release = torch.zeros(swap.n_seg, dtype=torch.bool, device=dev)
-        self.pads = dict(C_PAD=max(16, triton.next_power_of_2(swap.n_chunks)),
-                         S_PAD=max(16, triton.next_power_of_2(swap.n_seg)), K_MAX=max(1, top_k))
+        self._tables: ChunkSwapTables | None = None  # this stream alone (a table of one), for its scores
 
     def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decide from `scores` (n_audio,) float32, which it zeroes; returns the (selected, recall, release) masks
         (the same tensors every step)."""
-        assert scores.is_contiguous() and scores.dtype == torch.float32
-        r, sw = self.records, self.swap
-        _chunk_swap_kernel[(1,)](scores, _i8(sw.recalled), sw.unselected, _i8(self.selected), _i8(self.recall),
-                                 _i8(self.release), self.t.view(1), _i8(r["selected"]), _i8(r["recall"]),
-                                 _i8(r["release"]), r["resident"], self.n_audio, self.n_s, self.n_c, self.top_k,
-                                 self.delta, **self.pads)
+        parts = [(self, scores, None)]
+        if self._tables is None or self._tables.key != ChunkSwapTables.key_of(parts):
+            self._tables = ChunkSwapTables(parts, scores.device)
+        self._tables.decide()
         return self.selected, self.recall, self.release

@@ -547,6 +547,25 @@ def _needs_triton_interpreter():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
 
 
+def _triton_stream_sets(lengths, n_sets):
+    """`n_sets` identical sets of WnW streams (policy, packed store with Triton kernels), one per audio length."""
+    import functools
+
+    from wnw_exp.kv.packed import PackedAudioKVStore
+
+    sets = []
+    for _ in range(n_sets):
+        streams = []
+        for n in lengths:
+            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
+                                        dense_capacity=32)
+            store.compact(headroom=policy.recall_headroom)
+            assert policy.on_device and policy._fused_swap is not None
+            streams.append((policy, store))
+        sets.append(streams)
+    return sets
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kernel_fails(fails, monkeypatch):
     """On a packed store with Triton kernels (Triton's interpreter here) WnW decides in one launch
@@ -579,23 +598,11 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone():
     `after_step`. The same chosen chunks, masks, records, counters, segment states, zeroed scores and queues in all
     four, step by step, the stores flushed between steps."""
     _needs_triton_interpreter()
-    import functools
-
     from wnw_exp.kv import triton_moves
-    from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
 
     lengths = (100, 70, 130)
-    sets = []
-    for _ in range(4):
-        streams = []
-        for n in lengths:
-            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
-                                        dense_capacity=32)
-            store.compact(headroom=policy.recall_headroom)
-            assert policy.on_device and policy._fused_swap is not None
-            streams.append((policy, store))
-        sets.append(streams)
+    sets = _triton_stream_sets(lengths, 4)
     alone, tables, together, own = sets
     held: dict = {}
     made = []
@@ -648,10 +655,8 @@ def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_k
     policy decides with the PyTorch kernels, as on its own after such a failure: the same records and queues as
     policies stepping on their own with the PyTorch decision."""
     _needs_triton_interpreter()
-    import functools
     import warnings as w
 
-    from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.methods.wnw import triton_swap
 
     def broken(self):
@@ -659,15 +664,7 @@ def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_k
 
     monkeypatch.setattr(triton_swap.ChunkSwapTables, "decide", broken)
     lengths = (100, 70)
-    sets = []
-    for _ in range(2):
-        streams = []
-        for n in lengths:
-            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
-                                        dense_capacity=32)
-            store.compact(headroom=policy.recall_headroom)
-            streams.append((policy, store))
-        sets.append(streams)
+    sets = _triton_stream_sets(lengths, 2)
     batch, own = sets
     for policy, _ in own:
         policy._fused_swap = None  # the PyTorch decision
@@ -698,9 +695,6 @@ def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
     (`after_step_all`, Triton's interpreter): the same counters, decisions and queues either way. (The batched
     decision once skipped a subclass's `after_step`, so the benchmarks' streams decided on unscripted attention.)"""
     _needs_triton_interpreter()
-    import functools
-
-    from wnw_exp.kv.packed import PackedAudioKVStore
 
     class Scripted(WnW):
         def _adjust_signal(self, step):
@@ -710,17 +704,10 @@ def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
                 self._s += 1
 
     lengths = (100, 130)
-    sets = []
-    for _ in range(2):
-        streams = []
-        for n in lengths:
-            policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
-                                        dense_capacity=32)
-            store.compact(headroom=policy.recall_headroom)
-            policy.__class__ = Scripted
-            policy._s = torch.zeros((), dtype=torch.long)
-            streams.append((policy, store))
-        sets.append(streams)
+    sets = _triton_stream_sets(lengths, 2)
+    for policy, _ in sets[0] + sets[1]:
+        policy.__class__ = Scripted
+        policy._s = torch.zeros((), dtype=torch.long)
     batch, own = sets
     held: dict = {}
     for step in range(8):

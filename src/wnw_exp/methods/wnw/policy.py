@@ -377,38 +377,37 @@ class WnW(Policy):
         inside a capture queue their moves together in a second; eagerly each queues its own (the store's checks).
         The others step on their own. Each policy's state, records and queued moves are what its own `after_step`
         makes."""
-        together = [p for p in policies if p.has_anchors and p.on_device and p._fused_swap is not None
-                    and p.lag == 1 and p.store.moves == "triton"]
-        for p, i in zip(policies, steps):
-            if not any(p is q for q in together):
+        joins = [p.has_anchors and p.on_device and p._fused_swap is not None and p.lag == 1
+                 and p.store.moves == "triton" for p in policies]
+        for p, i, j in zip(policies, steps, joins):
+            if not j:
                 p.after_step(i)
+        together = [(p, i) for p, i, j in zip(policies, steps, joins) if j]
         if not together:
             return
         from wnw_exp.kv.packed import _capturing
         from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
 
-        for p, i in zip(policies, steps):
-            if any(p is q for q in together):
-                p._adjust_signal(i)
-        parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p in together]
+        for p, i in together:
+            p._adjust_signal(i)
+        parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p, _ in together]
         tables = held.get("swap_tables")
         try:
             if tables is None or tables.key != ChunkSwapTables.key_of(parts):
-                tables = held["swap_tables"] = ChunkSwapTables(parts, together[0].ctx.device)
+                tables = held["swap_tables"] = ChunkSwapTables(parts, together[0][0].ctx.device)
             tables.decide()
         except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot compile (the first call is eager)
             warnings.warn(f"WnW: the one-launch chunk swap failed ({type(e).__name__}: {str(e)[:200]}); "
                           "deciding with the PyTorch kernels instead", stacklevel=2)
             held.pop("swap_tables", None)
-            for p, i in zip(policies, steps):
-                if any(p is q for q in together):
-                    p._fused_swap = None
-                    p._decide(i)  # its signal is adjusted already
+            for p, i in together:
+                p._fused_swap = None
+                p._decide(i)  # its signal is adjusted already
             return
         if _capturing():
             tables.queue()
         else:
-            for p in together:
+            for p, _ in together:
                 p._queue(p._fused_swap.recall, p._fused_swap.release)
 
     def _move(self, segs: list[int], recall: bool) -> None:

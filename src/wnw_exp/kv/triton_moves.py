@@ -39,14 +39,15 @@ COPY_PROGRAMS, COPY = (int(x) for x in os.environ.get("WNW_COPY_GRID", "2048x16"
 # The fields of a store's row in `FlushTables.ptrs` (addresses, and its audio length N last).
 _REC, _REL, _SLOT_OF, _POS, _BASE, _CAP, _N_RES, _ALEN, _HK, _HV, _AK, _AV, _OVERFLOW, _RECALLED, _N = (
     tl.constexpr(j) for j in range(15))
-NF = 15  # (`_field` reads rows of 15)
+NF = 15  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
+_NF = tl.constexpr(NF)
 FIELDS = ("queued_recall", "queued_release", "slot_of", "audio_pos", "_offsets", "_caps", "n_resident", "audio_len",
           "host_k", "host_v", "audio_k", "audio_v", "overflow", "_recalled")
 assert len(FIELDS) + 1 == NF
 
 
 @triton.jit
-def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = 15):
+def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _NF):
     """The tensor `j` (a pointer to `ty`) of the stores `s` (a scalar or a vector of store indices), in a table of
     rows of NF fields (`FlushTables.ptrs` by default; `triton_swap.ChunkSwapTables` has its own)."""
     return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
@@ -60,7 +61,7 @@ def _flush_kernel(tbl, row_st_ptr, row_r_ptr, scr_off_ptr, scratch_ptr, pair_st_
     r = tl.load(row_r_ptr + i).to(tl.int64)
     rec_ptr, rel_ptr = _field(tbl, st, _REC, tl.int8), _field(tbl, st, _REL, tl.int8)
     slot_of_ptr, pos_ptr = _field(tbl, st, _SLOT_OF, tl.int32), _field(tbl, st, _POS, tl.int32)
-    N = tl.load(tbl + st * 15 + _N)
+    N = tl.load(tbl + st * _NF + _N)
     base = tl.load(_field(tbl, st, _BASE, tl.int32) + r).to(tl.int64)
     cap = tl.load(_field(tbl, st, _CAP, tl.int32) + r).to(tl.int64)
     scr = scratch_ptr + tl.load(scr_off_ptr + i)  # this row's scratch: its recalled positions, cap of them at most

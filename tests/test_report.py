@@ -273,7 +273,7 @@ def test_an_interrupted_run_is_marked_incomplete(tmp_path):
                None, [rec], dict(wer=0.0, n_samples=1, n_failed=0), n_selected=4)], WNW_DEFAULTS), ["voxtral"])
     assert "| Full Cache | 0.00‡ |" in to_markdown(t)
     # one configuration in two directories of one shard (a key spelled out, e.g. analysis=null, changes the
-    # directory, not the identity): n=4 in one, n=2 in the other; the union holds all 4 selected samples
+    # directory, not the identity): n_selected 2 in one, 1 in the other; the union holds both selected samples
     rec1 = dict(rec, id="s1")
     for name, recs in (("a", [rec, rec1]), ("b", [rec])):
         _write_dir(tmp_path / "two" / name, 0, 1, recs, n=len(recs))

@@ -198,3 +198,39 @@ def test_frame_loss_is_the_cosine_cross_entropy_and_ignores_the_norm():
     aligned = x.clone()
     aligned[keep] = 0.3 * table[targets[keep]]
     assert float(frame_loss(model, aligned, targets)) < float(want)
+
+
+def test_corrupted_inputs_replace_a_share_of_answer_tokens_and_never_the_targets(monkeypatch):
+    """`--corrupt-inputs`: the teacher-forced input copy of an answer has about `share` of its tokens replaced by
+    tokens of the same answer, deterministically per seed; `sequence_batch`'s targets and rows are the true answer's
+    whatever the share, and the prompt and audio embeddings are untouched (read back from the input embeddings)."""
+    from types import SimpleNamespace
+
+    from wnw_exp.train import projector as pj
+
+    answer = list(range(100, 1100))
+    a = pj.corrupted(answer, 0.1, np.random.default_rng(5))
+    assert a == pj.corrupted(answer, 0.1, np.random.default_rng(5)) and len(a) == len(answer)
+    changed = sum(x != y for x, y in zip(a, answer))
+    assert 60 <= changed <= 140 and set(a) <= set(answer)
+    assert pj.corrupted(answer, 0.0, np.random.default_rng(5)) == answer
+
+    AUDIO, EOS = 9, 0
+    monkeypatch.setattr(pj, "chat_prompt_ids", lambda tok, audio_id, n: [1, 2] + [audio_id] * n + [3])
+    table = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+    model = SimpleNamespace(model=SimpleNamespace(language_model=SimpleNamespace(
+        embed_tokens=torch.nn.Embedding.from_pretrained(table))), config=SimpleNamespace(audio_token_id=AUDIO),
+        generation_config=SimpleNamespace(eos_token_id=EOS))
+    n_audio = pj.TOKENS_PER_WINDOW
+    audio = torch.randn(2 * n_audio, 6)
+    answers = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [21, 22]]
+    x0, r0, t0 = pj.sequence_batch(model, None, audio, [1, 1], answers)
+    x1, r1, t1 = pj.sequence_batch(model, None, audio, [1, 1], answers, 0.5, np.random.default_rng(1))
+    assert torch.equal(r0, r1) and torch.equal(t0, t1)
+    assert t1[0].tolist() == answers[0] + [EOS] and t1[1, :3].tolist() == answers[1] + [EOS]
+    start = 3 + n_audio  # the first answer token's input position
+    got = [int((table - x1[0, p]).abs().sum(-1).argmin()) for p in range(start, start + len(answers[0]))]
+    want = pj.corrupted(answers[0], 0.5, np.random.default_rng(1))
+    assert got == want and got != answers[0]
+    assert torch.equal(x0[:, :start], x1[:, :start])  # prompt and audio untouched
+    assert torch.equal(x1[0, 2:2 + n_audio], audio[:n_audio])

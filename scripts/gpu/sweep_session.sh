@@ -27,7 +27,7 @@ python3 -m wnw_exp.cli.calibrate "${MODEL[@]}" dataset.text=natural dataset.spli
   dataset.max_seconds=240 recall_samples=${RECALL_SAMPLES:-6} output=/root/stash/head_scores.json progress=false \
   calibration_root=/root/stash/calibration device=cuda 2>&1 | tail -4
 echo "calibration at $(( $(date +%s) - t0 )) s"
-python3 scripts/gpu/parallel_runs.py scripts/gpu/sweep_jobs.txt --parallel "${PARALLEL:-14}" \
+python3 scripts/gpu/parallel_runs.py "${JOBS:-scripts/gpu/sweep_jobs.txt}" --parallel "${PARALLEL:-14}" \
   --seconds "${SWEEP_SECONDS:-380}" --log "$OUTD/sweep_log.txt" -- "${MODEL[@]}" dataset=synthetic dataset.text=natural \
   dataset.n=${N:-20} dataset.min_seconds=60 dataset.max_seconds=180 runs_root=/root/stash/runs progress=false \
   device=cuda

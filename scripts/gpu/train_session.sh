@@ -6,11 +6,13 @@
 # at most EVAL_S seconds. Everything also stays in /root/stash for a following call on the same machine.
 # FRAME_LOSS > 0 adds the frame loss; STAGES (JSON, see --stages) overrides the clip-length schedule; LR/LORA_LR the peak
 # learning rates; SHUFFLE the share of training clips whose words are spoken in a random order. The dev predictions are
-# written group by group (a cut-short eval keeps what it decoded). History: training_log.md.
+# written group by group (a cut-short eval keeps what it decoded). CORRUPT: the share of teacher-forced answer inputs
+# replaced by another token of the answer (--corrupt-inputs). ANCHOR=1 evaluates INIT's weights on the same dev clips
+# side by side with the new ones (two processes on the GPU), the fair anchor of the session. History: training_log.md.
 set -uo pipefail
 source scripts/gpu/env.sh || exit 1
 MIN=${MIN:-7.0} DEV_N=${DEV_N:-6} EVAL_S=${EVAL_S:-200} WORKERS=${WORKERS:-14} FRAME_LOSS=${FRAME_LOSS:-0}
-LR=${LR:-1e-3} LORA_LR=${LORA_LR:-3e-4} STAGES=${STAGES:-} SHUFFLE=${SHUFFLE:-0}
+LR=${LR:-1e-3} LORA_LR=${LORA_LR:-3e-4} STAGES=${STAGES:-} SHUFFLE=${SHUFFLE:-0} CORRUPT=${CORRUPT:-0} ANCHOR=${ANCHOR:-0}
 INIT=${INIT:-src/wnw_exp/backbones/whisper_smollm2}
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 RUN=/root/stash/run-$(date +%H%M); CORPUS=src/wnw_exp/data/natural_text/passages.jsonl.gz
@@ -18,11 +20,18 @@ cp $CORPUS /root/stash/passages.jsonl.gz
 t0=$(date +%s)
 python3 -m wnw_exp.train.projector train --run-dir "$RUN" --init-from "$INIT" --minutes "$MIN" --total-steps 100000 \
   --workers "$WORKERS" --batch-windows 32 --log-every 25 --lora-rank 16 --lr "$LR" --lora-lr "$LORA_LR" --frame-loss "$FRAME_LOSS" \
-  --shuffle-words "$SHUFFLE" \
+  --shuffle-words "$SHUFFLE" --corrupt-inputs "$CORRUPT" \
   ${STAGES:+--stages "$STAGES"}
 echo "trained at $(( $(date +%s) - t0 )) s"
 python3 -m wnw_exp.train.projector export --run-dir "$RUN" --out /root/stash/trained
 tar cf "$OUTD/trained.tar" -C /root/stash trained
+cp "$RUN/train_log.jsonl" "$OUTD/" 2>/dev/null
+if [ "$ANCHOR" = 1 ]; then
+  timeout "$EVAL_S" python3 -m wnw_exp.train.projector eval --trained-dir "$INIT" --n "$DEV_N" --split dev --min-seconds 120 \
+    --max-seconds 240 --dtype bfloat16 --predictions "$OUTD/dev_predictions_anchor.jsonl" > "$OUTD/eval_anchor.log" 2>&1 &
+fi
 timeout "$EVAL_S" python3 -m wnw_exp.train.projector eval --run-dir "$RUN" --n "$DEV_N" --split dev --min-seconds 120 \
   --max-seconds 240 --dtype bfloat16 --predictions "$OUTD/dev_predictions.jsonl"
+wait
+cat "$OUTD/eval_anchor.log" 2>/dev/null | grep '^eval'
 echo "session done at $(( $(date +%s) - t0 )) s"

@@ -157,15 +157,31 @@ def frame_loss(model, audio_embeds: torch.Tensor, frame_targets: torch.Tensor) -
     return F.cross_entropy(logits, frame_targets.to(logits.device), ignore_index=-100)
 
 
-def sequence_batch(model, tokenizer, audio_embeds: torch.Tensor, n_windows: list[int], answers: list[list[int]]):
-    """(inputs_embeds (B, T, H), answer rows (B, R), targets (B, R) with -100 padding) for the teacher-forced pass."""
+def corrupted(answer: list[int], share: float, rng: np.random.Generator) -> list[int]:
+    """The answer as the teacher-forced input sees it when `share` of its tokens are replaced by another token of
+    the same answer (a plausible wrong word, or one from elsewhere in the passage, as when a greedy answer skips or
+    repeats): the targets stay the true next tokens, so the model learns to take its place from the audio, not
+    from its own (possibly wrong) last words (`--corrupt-inputs`)."""
+    if share <= 0 or len(answer) < 2:
+        return answer
+    out = np.asarray(answer)
+    hit = np.flatnonzero(rng.random(len(out)) < share)
+    out = out.copy()
+    out[hit] = out[rng.integers(0, len(out), len(hit))]
+    return out.tolist()
+
+
+def sequence_batch(model, tokenizer, audio_embeds: torch.Tensor, n_windows: list[int], answers: list[list[int]],
+                   corrupt: float = 0.0, rng: np.random.Generator | None = None):
+    """(inputs_embeds (B, T, H), answer rows (B, R), targets (B, R) with -100 padding) for the teacher-forced pass;
+    with `corrupt` > 0 the input copy of each answer is `corrupted` (the targets never are)."""
     dec = model.model.language_model
     audio_id, eos = model.config.audio_token_id, model.generation_config.eos_token_id
     seqs, rows, targets, chunks, start = [], [], [], [], 0
     for nw, ans in zip(n_windows, answers):
         n_audio = nw * TOKENS_PER_WINDOW
         prompt = chat_prompt_ids(tokenizer, audio_id, n_audio)
-        seqs.append(prompt + ans)
+        seqs.append(prompt + (corrupted(ans, corrupt, rng) if corrupt > 0 else ans))
         rows.append(np.arange(len(ans) + 1) + len(prompt) - 1)
         targets.append(ans + [eos])
         chunks.append((prompt.index(audio_id), audio_embeds[start:start + n_audio]))
@@ -394,7 +410,8 @@ def train(args: argparse.Namespace) -> None:
             match_embedding_scale(model, feats)
         with autocast:
             embeds = audio_embeddings(model, feats)
-            x, rows, targets = sequence_batch(model, tokenizer, embeds, batch["n_windows"], batch["answers"])
+            x, rows, targets = sequence_batch(model, tokenizer, embeds, batch["n_windows"], batch["answers"],
+                                              args.corrupt_inputs, np.random.default_rng([TRAIN_SEED + args.seed, step, 2]))
             loss, logs = answer_loss(model, x, rows, targets)
             if args.frame_loss:
                 fl = frame_loss(model, embeds, batch["frame_targets"])
@@ -588,6 +605,8 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--frame-loss", type=float, default=0.0, help="weight of the frame loss (0: off)")
     t.add_argument("--shuffle-words", type=float, default=0.0,
                    help="fraction of the training clips that speak their sentences' words in a random order")
+    t.add_argument("--corrupt-inputs", type=float, default=0.0,
+                   help="share of the teacher-forced answer inputs replaced by another token of the answer (0: off)")
     t.add_argument("--heldout", type=int, default=8,
                    help="dev clips (natural, and shuffled words) whose teacher-forced CE each log line has (0: none)")
     t.add_argument("--init-from", default=None, help="a trained folder (projector.safetensors, lora.safetensors) "

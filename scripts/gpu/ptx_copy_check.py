@@ -1,7 +1,8 @@
 """Which global loads and stores the flush's copy kernel (`kv.triton_moves._copy_list_kernel`) compiles to for an
 H100/H200 (sm_90), without a GPU: Triton compiles to PTX here and the PTX's ld/st instructions are counted.
 ld.global.b16 are 2-byte host reads (the kernel on main); ld.global.v4.b32 are 16-byte ones
-(scripts/gpu/pending/vector-copy.patch applied).
+(the patch of commit ecb81cb, scripts/gpu/pending/vector-copy.patch, applied: measured on the H200 in the eighth
+session and not merged, since the copy was no faster; docs/gpu.md).
 
     pip install --no-deps --target /tmp/tri triton      # the CPU machine has no triton in the venv
     PYTHONPATH=/tmp/tri:src python scripts/gpu/ptx_copy_check.py

@@ -1,0 +1,159 @@
+"""What bounds the recall copy (`kv.triton_moves._copy_list_kernel`) on a GPU: one kernel timed alone.
+
+In the serving benchmark at 33 WnW streams the copy takes ~930 us a step for ~5,500 (token, head) rows of K and V
+(2.8 MB, ~3 GB/s), where ArkVale's bs-1 copy moves ~15 GB/s (docs/gpu.md). 16-byte reads did not change it, so the
+width of the reads is not the bound. This times the same kernel on made-up pair lists, one factor at a time:
+- `--pairs`: how many (host row, device slot) pairs a launch copies (5,500 is the serving step's);
+- `--footprint-gb`: the size of the pinned host mirror the rows are read from (one bs-1 stream of the Voxtral shape
+  holds ~0.37 GB of audio K+V; 33 streams ~12 GB): if a large footprint alone slows the same pairs down, the bound
+  is address translation (the GPU's TLB over pinned host memory), not PCIe bandwidth;
+- `--run`: consecutive host rows per group (50: WnW's 4 s chunk of one head; 1: scattered rows);
+- the same pairs read from device memory (`source=device`): the kernel's floor without PCIe;
+and, as the link's ceiling, one contiguous `copy_` of the same bytes from pinned memory.
+
+    PYTHONPATH=src python3 benchmarks/copy_micro.py --out $OUT/copy_micro.json          # on the GPU machine
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/copy_micro.py --smoke          # CPU: the harness runs
+
+Rows: {"kind": "copy_micro", "source", "footprint_gb", "pairs", "run", "us", "gb_per_s"} (us: median of --reps
+launches timed with CUDA events; gb_per_s: K+V bytes moved over that time), plus the GPU, date and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HEAD_DIM = 128  # the Voxtral shape's head: 256 bytes of bf16 a row of K (and of V)
+
+
+def pair_list(n_pairs: int, n_host_rows: int, n_slots: int, run: int, gen: torch.Generator) -> tuple:
+    """(src, dst) int32: `n_pairs` pairs in groups of `run` consecutive host rows (a chunk of one head), the groups'
+    starts spread uniformly over the mirror; destinations distinct slots in a random order (free slots are
+    scattered)."""
+    n_groups = -(-n_pairs // run)
+    starts = torch.randint(0, max(1, n_host_rows - run), (n_groups,), generator=gen)
+    src = (starts[:, None] + torch.arange(run)[None, :]).flatten()[:n_pairs]
+    dst = torch.randperm(n_slots, generator=gen)[:n_pairs]
+    return src.to(torch.int32), dst.to(torch.int32)
+
+
+def time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, reps: int, device) -> float:
+    """Median microseconds of one `_copy_list_kernel` launch over the pairs (src, dst)."""
+    n = src.numel()
+    ptrs = torch.zeros((1, tm.NF), dtype=torch.int64)
+    for field, t in ((tm._HK, host_k), (tm._HV, host_v), (tm._AK, dev_k), (tm._AV, dev_v)):
+        ptrs[0, field.value if hasattr(field, "value") else int(field)] = t.data_ptr()
+    ptrs = ptrs.to(device)
+    pair_st = torch.zeros(n, dtype=torch.int32, device=device)
+    src, dst = src.to(device), dst.to(device)
+    count = torch.zeros(2, dtype=torch.int32, device=device)
+    W = host_k.shape[1] * host_k.element_size() // 2
+    grid = (min(tm.COPY_PROGRAMS, -(-n // tm.COPY)),)
+    times = []
+    for i in range(reps + 2):  # two warm-up launches (compilation, first touch)
+        count[0] = n
+        count[1] = 0
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            tm._copy_list_kernel[grid](ptrs, pair_st, src, dst, count, W=W, COPY=tm.COPY)
+            b.record()
+            b.synchronize()
+            us = a.elapsed_time(b) * 1e3
+        else:
+            t0 = time.perf_counter()
+            tm._copy_list_kernel[grid](ptrs, pair_st, src, dst, count, W=W, COPY=tm.COPY)
+            us = (time.perf_counter() - t0) * 1e6
+        if i >= 2:
+            times.append(us)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", default="1000,5500,22000")
+    ap.add_argument("--footprint-gb", default="0.4,4,12")
+    ap.add_argument("--runs", default="50,1")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1): the harness runs")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from wnw_exp.kv import triton_moves as tm
+
+    if a.smoke:
+        a.pairs, a.footprint_gb, a.runs, a.reps = "40", "0.0001", "5,1", 1
+    row_bytes = HEAD_DIM * 2
+    meta = dict(gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)",
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                command=" ".join(["benchmarks/copy_micro.py", *(sys.argv[1:] if argv is None else argv)]),
+                copy_grid=f"{tm.COPY_PROGRAMS}x{tm.COPY}")
+    rows: list[dict] = []
+    out = Path(a.out) if a.out else None
+
+    def emit(row: dict) -> None:
+        rows.append(dict(row, **meta))
+        print(json.dumps(row), flush=True)
+        if out is not None:
+            out.write_text(json.dumps(rows, indent=1))
+
+    gen = torch.Generator().manual_seed(0)
+    pairs = [int(x) for x in a.pairs.split(",")]
+    n_slots = max(pairs) * 2
+    dev_k = torch.zeros(n_slots, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    dev_v = torch.zeros_like(dev_k)
+    for gb in (float(x) for x in a.footprint_gb.split(",")):
+        n_host_rows = max(max(pairs) * 2, int(gb * 1e9 / 2 / row_bytes))  # K and V each half the footprint
+        try:
+            pin = device.type == "cuda"
+            host_k = torch.empty(n_host_rows, HEAD_DIM, dtype=torch.bfloat16, pin_memory=pin)
+            host_v = torch.empty(n_host_rows, HEAD_DIM, dtype=torch.bfloat16, pin_memory=pin)
+            host_k.view(torch.int16).fill_(1)  # touch every page
+            host_v.view(torch.int16).fill_(2)
+        except RuntimeError as e:
+            emit(dict(kind="copy_micro", footprint_gb=gb, error=f"{type(e).__name__}: {e}"))
+            continue
+        for run in (int(x) for x in a.runs.split(",")):
+            for n in pairs:
+                src, dst = pair_list(n, n_host_rows, n_slots, run, gen)
+                us = time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, a.reps, device)
+                emit(dict(kind="copy_micro", source="pinned host", footprint_gb=gb, pairs=n, run=run, us=round(us, 1),
+                          gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+                ok = torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long()])
+                if not ok:
+                    emit(dict(kind="copy_micro", footprint_gb=gb, pairs=n, run=run, error="copied rows differ"))
+        del host_k, host_v
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    # the kernel's floor (device source) and the link's ceiling (one contiguous copy of the same bytes)
+    for n in pairs:
+        src, dst = pair_list(n, n_slots, n_slots, 50, gen)
+        us = time_copy(tm, dev_k.clone(), dev_v.clone(), dev_k, dev_v, src, dst, a.reps, device)
+        emit(dict(kind="copy_micro", source="device", pairs=n, run=50, us=round(us, 1),
+                  gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+        if device.type == "cuda":
+            host = torch.empty(n * 2, HEAD_DIM, dtype=torch.bfloat16, pin_memory=True)
+            buf = torch.empty_like(host, device=device)
+            ts = []
+            for i in range(a.reps + 2):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                buf.copy_(host, non_blocking=True)
+                e1.record()
+                e1.synchronize()
+                if i >= 2:
+                    ts.append(e0.elapsed_time(e1) * 1e3)
+            us = statistics.median(ts)
+            emit(dict(kind="copy_micro", source="one contiguous copy_ (the link)", pairs=n, us=round(us, 1),
+                      gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

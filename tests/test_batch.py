@@ -604,3 +604,24 @@ def test_serving_benchmark_smoke(tmp_path):
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
     assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]
     assert {x["method"] for x in rows if x["kind"] == "latency_bs1"} == set(tput)
+
+
+def test_batch_parity_finds_the_parting_step_its_margin_and_the_drift_before_it():
+    """benchmarks/batch_parity.py's comparison on hand-made results: the first differing token, the bs-1 margin
+    there (top-1 minus top-2), the batched token's rank in the bs-1 logits, and the largest logit difference over
+    the steps before; identical tokens give no parting step."""
+    from types import SimpleNamespace
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("batch_parity", root / "benchmarks" / "batch_parity.py")
+    bp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bp)
+    lg = lambda *v: torch.tensor(v)  # noqa: E731
+    alone = SimpleNamespace(tokens=[0, 1, 2], logits=[lg(3.0, 1.0, 0.0), lg(0.0, 2.0, 1.9), lg(0.0, 0.0, 5.0)])
+    batched = SimpleNamespace(tokens=[0, 2, 2], logits=[lg(3.0, 1.25, 0.0), lg(0.0, 1.95, 1.97), lg(0.0, 0.0, 5.0)])
+    row = bp.compare(alone, batched)
+    assert row["part_at"] == 1 and not row["identical"] and row["steps"] == [3, 3]
+    assert row["margin_at_part"] == pytest.approx(0.1) and row["rank_of_batched_token"] == 1
+    assert row["max_drift_before"] == pytest.approx(0.25) and row["drift_at_part"] == pytest.approx(0.07, abs=1e-6)
+    same = bp.compare(alone, alone)
+    assert same["identical"] and same["part_at"] is None and same["max_drift_before"] == 0.0

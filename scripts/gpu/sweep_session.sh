@@ -10,18 +10,7 @@ t0=$(date +%s)
 cp /root/stash/passages.jsonl.gz src/wnw_exp/data/natural_text/passages.jsonl.gz 2>/dev/null
 MODEL=(model=whisper_smollm2 model.trained_dir=/root/stash/trained)
 export HEAD_SCORES=/root/stash/head_scores.json
-python3 - <<'PY'
-# synthesise the clips once, in parallel, into the shared FLAC cache (every run then reads them)
-from multiprocessing import Pool
-from wnw_exp.data.synthetic import SyntheticDataset
-sets = [dict(split="calib", n=50, min_seconds=60, max_seconds=240), dict(split="test", n=20, min_seconds=60, max_seconds=180)]
-jobs = [(kw, i) for kw in sets for i in range(kw["n"])]
-def one(job):
-    kw, i = job
-    SyntheticDataset(text="natural", **kw)[i]
-with Pool(16) as p:
-    p.map(one, jobs)
-PY
+python3 scripts/gpu/synth_clips.py calib:50:60:240 test:${N:-20}:60:180  # the clips once, in parallel
 echo "clips at $(( $(date +%s) - t0 )) s"
 python3 -m wnw_exp.cli.calibrate "${MODEL[@]}" dataset.text=natural dataset.split=calib dataset.n=50 dataset.min_seconds=60 \
   dataset.max_seconds=240 recall_samples=${RECALL_SAMPLES:-6} output=/root/stash/head_scores.json progress=false \

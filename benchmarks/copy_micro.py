@@ -8,6 +8,9 @@ width of the reads is not the bound. This times the same kernel on made-up pair 
   holds ~0.37 GB of audio K+V; 33 streams ~12 GB): if a large footprint alone slows the same pairs down, the bound
   is address translation (the GPU's TLB over pinned host memory), not PCIe bandwidth;
 - `--run`: consecutive host rows per group (50: WnW's 4 s chunk of one head; 1: scattered rows);
+- `--hugepage-gb`: the same rows from a mirror of that size in transparent huge pages (an aligned anonymous mapping
+  with madvise(MADV_HUGEPAGE), pinned with cudaHostRegister) instead of `pin_memory`'s: whether the GPU's
+  translation gets cheaper with larger host pages (the machine's THP setting is in each row);
 - the same pairs read from device memory (`source=device`): the kernel's floor without PCIe;
 and, as the link's ceiling, one contiguous `copy_` of the same bytes from pinned memory.
 
@@ -41,6 +44,35 @@ def pair_list(n_pairs: int, n_host_rows: int, n_slots: int, run: int, gen: torch
     src = (starts[:, None] + torch.arange(run)[None, :]).flatten()[:n_pairs]
     dst = torch.randperm(n_slots, generator=gen)[:n_pairs]
     return src.to(torch.int32), dst.to(torch.int32)
+
+
+def hugepage_tensor(n_rows: int) -> tuple[torch.Tensor, object]:
+    """(n_rows, HEAD_DIM) bf16 in a 2 MiB-aligned anonymous mapping advised into transparent huge pages, touched and
+    registered with CUDA (cudaHostRegister: pinned, and mapped at the same address for the GPU); the mapping is
+    returned too (it must outlive the tensor)."""
+    import ctypes
+    import mmap
+
+    huge = 2 << 20
+    size = n_rows * HEAD_DIM * 2
+    buf = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    offset = (-addr) % huge
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(addr + offset), ctypes.c_size_t(size), 14)  # MADV_HUGEPAGE
+    t = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_rows * HEAD_DIM, offset=offset).view(n_rows, HEAD_DIM)
+    t.view(torch.int16).fill_(1)  # fault the pages in (huge where the kernel can) before pinning
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {err}")
+    return t, buf
+
+
+def thp_setting() -> str:
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, reps: int, device) -> float:
@@ -80,6 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--pairs", default="1000,5500,22000")
     ap.add_argument("--footprint-gb", default="0.4,4,12")
     ap.add_argument("--runs", default="50,1")
+    ap.add_argument("--hugepage-gb", default="12", help="mirror sizes in huge pages ('' for none; CUDA only)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1): the harness runs")
     ap.add_argument("--out", default=None)
@@ -93,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = dict(gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)",
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command=" ".join(["benchmarks/copy_micro.py", *(sys.argv[1:] if argv is None else argv)]),
-                copy_grid=f"{tm.COPY_PROGRAMS}x{tm.COPY}")
+                copy_grid=f"{tm.COPY_PROGRAMS}x{tm.COPY}", thp=thp_setting())
     rows: list[dict] = []
     out = Path(a.out) if a.out else None
 
@@ -131,6 +164,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del host_k, host_v
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for gb in (float(x) for x in a.hugepage_gb.split(",") if x and device.type == "cuda"):
+        n_host_rows = max(max(pairs) * 2, int(gb * 1e9 / 2 / row_bytes))
+        try:
+            (host_k, buf_k), (host_v, buf_v) = hugepage_tensor(n_host_rows), hugepage_tensor(n_host_rows)
+        except (RuntimeError, OSError, ValueError) as e:
+            emit(dict(kind="copy_micro", source="huge pages", footprint_gb=gb, error=f"{type(e).__name__}: {e}"))
+            continue
+        for n in pairs:
+            src, dst = pair_list(n, n_host_rows, n_slots, 50, gen)
+            us = time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, a.reps, device)
+            emit(dict(kind="copy_micro", source="huge pages", footprint_gb=gb, pairs=n, run=50, us=round(us, 1),
+                      gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+            if not torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long()]):
+                emit(dict(kind="copy_micro", source="huge pages", pairs=n, error="copied rows differ"))
+        for t in (host_k, host_v):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        del host_k, host_v, buf_k, buf_v
     # the kernel's floor (device source) and the link's ceiling (one contiguous copy of the same bytes)
     for n in pairs:
         src, dst = pair_list(n, n_slots, n_slots, 50, gen)

@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/wnw-run $(ARGS)
 
+# two pytest workers (pytest-xdist), one per core of the CI machine; a module's tests stay on one worker, so its
+# module-scoped fixtures are built once. PYTEST_ARGS= runs them in one process.
+PYTEST_ARGS ?= -n 2 --dist loadscope
+
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 

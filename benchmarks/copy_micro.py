@@ -75,36 +75,46 @@ def thp_setting() -> str:
         return "unknown"
 
 
+def median_us(launch, reps: int, device) -> float:
+    """Median microseconds of `launch()` over `reps` calls after two warm-up calls (compilation, first touch): CUDA
+    events on a GPU, the wall clock elsewhere."""
+    times = []
+    for i in range(reps + 2):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            launch()
+            b.record()
+            b.synchronize()
+            us = a.elapsed_time(b) * 1e3
+        else:
+            t0 = time.perf_counter()
+            launch()
+            us = (time.perf_counter() - t0) * 1e6
+        if i >= 2:
+            times.append(us)
+    return statistics.median(times)
+
+
 def time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, reps: int, device) -> float:
-    """Median microseconds of one `_copy_list_kernel` launch over the pairs (src, dst)."""
+    """Median microseconds of one `_copy_list_kernel` launch over the pairs (src, dst), through a table of one
+    store laid out as `FlushTables.ptrs` (only the four K/V addresses are read by the copy)."""
     n = src.numel()
     ptrs = torch.zeros((1, tm.NF), dtype=torch.int64)
-    for field, t in ((tm._HK, host_k), (tm._HV, host_v), (tm._AK, dev_k), (tm._AV, dev_v)):
-        ptrs[0, field.value if hasattr(field, "value") else int(field)] = t.data_ptr()
+    for name, t in (("host_k", host_k), ("host_v", host_v), ("audio_k", dev_k), ("audio_v", dev_v)):
+        ptrs[0, tm.FIELDS.index(name)] = t.data_ptr()
     ptrs = ptrs.to(device)
     pair_st = torch.zeros(n, dtype=torch.int32, device=device)
     src, dst = src.to(device), dst.to(device)
     count = torch.zeros(2, dtype=torch.int32, device=device)
     W = host_k.shape[1] * host_k.element_size() // 2
     grid = (min(tm.COPY_PROGRAMS, -(-n // tm.COPY)),)
-    times = []
-    for i in range(reps + 2):  # two warm-up launches (compilation, first touch)
-        count[0] = n
-        count[1] = 0
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            tm._copy_list_kernel[grid](ptrs, pair_st, src, dst, count, W=W, COPY=tm.COPY)
-            b.record()
-            b.synchronize()
-            us = a.elapsed_time(b) * 1e3
-        else:
-            t0 = time.perf_counter()
-            tm._copy_list_kernel[grid](ptrs, pair_st, src, dst, count, W=W, COPY=tm.COPY)
-            us = (time.perf_counter() - t0) * 1e6
-        if i >= 2:
-            times.append(us)
-    return statistics.median(times)
+
+    def launch():
+        count[0] = n  # the kernel's last program empties the list
+        tm._copy_list_kernel[grid](ptrs, pair_st, src, dst, count, W=W, COPY=tm.COPY)
+
+    return median_us(launch, reps, device)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -141,8 +151,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     n_slots = max(pairs) * 2
     dev_k = torch.zeros(n_slots, HEAD_DIM, dtype=torch.bfloat16, device=device)
     dev_v = torch.zeros_like(dev_k)
+
+    def measure(source: str, host_k, host_v, gb, n: int, run: int) -> None:
+        """Time the copy of n pairs (groups of `run` consecutive rows) from host_k/host_v, emit the row, and check
+        the copied rows against their source."""
+        src, dst = pair_list(n, host_k.shape[0], n_slots, run, gen)
+        us = time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, a.reps, device)
+        emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, us=round(us, 1),
+                  gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+        if not torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long().to(host_k.device)].cpu()):
+            emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, error="copied rows differ"))
+    def host_rows(gb: float) -> int:  # K and V each half the footprint, never fewer rows than the slots
+        return max(n_slots, int(gb * 1e9 / 2 / row_bytes))
+
     for gb in (float(x) for x in a.footprint_gb.split(",")):
-        n_host_rows = max(max(pairs) * 2, int(gb * 1e9 / 2 / row_bytes))  # K and V each half the footprint
+        n_host_rows = host_rows(gb)
         try:
             pin = device.type == "cuda"
             host_k = torch.empty(n_host_rows, HEAD_DIM, dtype=torch.bfloat16, pin_memory=pin)
@@ -154,52 +177,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         for run in (int(x) for x in a.runs.split(",")):
             for n in pairs:
-                src, dst = pair_list(n, n_host_rows, n_slots, run, gen)
-                us = time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, a.reps, device)
-                emit(dict(kind="copy_micro", source="pinned host", footprint_gb=gb, pairs=n, run=run, us=round(us, 1),
-                          gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
-                ok = torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long()])
-                if not ok:
-                    emit(dict(kind="copy_micro", footprint_gb=gb, pairs=n, run=run, error="copied rows differ"))
+                measure("pinned host", host_k, host_v, gb, n, run)
         del host_k, host_v
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for gb in (float(x) for x in a.hugepage_gb.split(",") if x and device.type == "cuda"):
-        n_host_rows = max(max(pairs) * 2, int(gb * 1e9 / 2 / row_bytes))
+        n_host_rows = host_rows(gb)
         try:
             (host_k, buf_k), (host_v, buf_v) = hugepage_tensor(n_host_rows), hugepage_tensor(n_host_rows)
         except (RuntimeError, OSError, ValueError) as e:
             emit(dict(kind="copy_micro", source="huge pages", footprint_gb=gb, error=f"{type(e).__name__}: {e}"))
             continue
         for n in pairs:
-            src, dst = pair_list(n, n_host_rows, n_slots, 50, gen)
-            us = time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, a.reps, device)
-            emit(dict(kind="copy_micro", source="huge pages", footprint_gb=gb, pairs=n, run=50, us=round(us, 1),
-                      gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
-            if not torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long()]):
-                emit(dict(kind="copy_micro", source="huge pages", pairs=n, error="copied rows differ"))
+            measure("huge pages", host_k, host_v, gb, n, 50)
         for t in (host_k, host_v):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         del host_k, host_v, buf_k, buf_v
     # the kernel's floor (device source) and the link's ceiling (one contiguous copy of the same bytes)
+    src_k, src_v = dev_k.clone(), dev_v.clone()
     for n in pairs:
-        src, dst = pair_list(n, n_slots, n_slots, 50, gen)
-        us = time_copy(tm, dev_k.clone(), dev_v.clone(), dev_k, dev_v, src, dst, a.reps, device)
-        emit(dict(kind="copy_micro", source="device", pairs=n, run=50, us=round(us, 1),
-                  gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+        measure("device", src_k, src_v, None, n, 50)
         if device.type == "cuda":
             host = torch.empty(n * 2, HEAD_DIM, dtype=torch.bfloat16, pin_memory=True)
             buf = torch.empty_like(host, device=device)
-            ts = []
-            for i in range(a.reps + 2):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                buf.copy_(host, non_blocking=True)
-                e1.record()
-                e1.synchronize()
-                if i >= 2:
-                    ts.append(e0.elapsed_time(e1) * 1e3)
-            us = statistics.median(ts)
+            us = median_us(lambda: buf.copy_(host, non_blocking=True), a.reps, device)
             emit(dict(kind="copy_micro", source="one contiguous copy_ (the link)", pairs=n, us=round(us, 1),
                       gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
     return rows

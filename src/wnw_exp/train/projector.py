@@ -164,9 +164,8 @@ def corrupted(answer: list[int], share: float, rng: np.random.Generator) -> list
     from its own (possibly wrong) last words (`--corrupt-inputs`)."""
     if share <= 0 or len(answer) < 2:
         return answer
-    out = np.asarray(answer)
+    out = np.array(answer)
     hit = np.flatnonzero(rng.random(len(out)) < share)
-    out = out.copy()
     out[hit] = out[rng.integers(0, len(out), len(hit))]
     return out.tolist()
 
@@ -181,7 +180,7 @@ def sequence_batch(model, tokenizer, audio_embeds: torch.Tensor, n_windows: list
     for nw, ans in zip(n_windows, answers):
         n_audio = nw * TOKENS_PER_WINDOW
         prompt = chat_prompt_ids(tokenizer, audio_id, n_audio)
-        seqs.append(prompt + (corrupted(ans, corrupt, rng) if corrupt > 0 else ans))
+        seqs.append(prompt + corrupted(ans, corrupt, rng))
         rows.append(np.arange(len(ans) + 1) + len(prompt) - 1)
         targets.append(ans + [eos])
         chunks.append((prompt.index(audio_id), audio_embeds[start:start + n_audio]))

@@ -11,13 +11,17 @@ width of the reads is not the bound. This times the same kernel on made-up pair 
 - `--hugepage-gb`: the same rows from a mirror of that size in transparent huge pages (an aligned anonymous mapping
   with madvise(MADV_HUGEPAGE), pinned with cudaHostRegister) instead of `pin_memory`'s: whether the GPU's
   translation gets cheaper with larger host pages (the machine's THP setting is in each row);
+- `--lists`: the same pairs at every launch (the GPU's translations of their pages stay cached from one launch to the
+  next) or a fresh pair list for each launch (new pages each time, as each decode step recalls other chunks). The
+  first run on the H200 (2026-12-02 12:11 UTC) had `same` only: 5,500 pairs took 96-129 us at any footprint, where
+  the serving step's copy takes ~930 us;
 - the same pairs read from device memory (`source=device`): the kernel's floor without PCIe;
 and, as the link's ceiling, one contiguous `copy_` of the same bytes from pinned memory.
 
     PYTHONPATH=src python3 benchmarks/copy_micro.py --out $OUT/copy_micro.json          # on the GPU machine
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/copy_micro.py --smoke          # CPU: the harness runs
 
-Rows: {"kind": "copy_micro", "source", "footprint_gb", "pairs", "run", "us", "gb_per_s"} (us: median of --reps
+Rows: {"kind": "copy_micro", "source", "footprint_gb", "pairs", "run", "lists", "us", "gb_per_s"} (us: median of --reps
 launches timed with CUDA events; gb_per_s: K+V bytes moved over that time), plus the GPU, date and command.
 """
 
@@ -96,21 +100,24 @@ def median_us(launch, reps: int, device) -> float:
     return statistics.median(times)
 
 
-def time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, reps: int, device) -> float:
-    """Median microseconds of one `_copy_list_kernel` launch over the pairs (src, dst), through a table of one
-    store laid out as `FlushTables.ptrs` (only the four K/V addresses are read by the copy)."""
-    n = src.numel()
+def time_copy(tm, host_k, host_v, dev_k, dev_v, lists, reps: int, device) -> float:
+    """Median microseconds of one `_copy_list_kernel` launch over a list of pairs (src, dst), through a table of one
+    store laid out as `FlushTables.ptrs` (only the four K/V addresses are read by the copy). `lists`: the pair lists the launches take in turn (one list: every launch copies the same rows, so the
+    GPU's address translations stay cached; one per launch: new rows each time, as in a decode step)."""
     ptrs = torch.zeros((1, tm.NF), dtype=torch.int64)
     for name, t in (("host_k", host_k), ("host_v", host_v), ("audio_k", dev_k), ("audio_v", dev_v)):
         ptrs[0, tm.FIELDS.index(name)] = t.data_ptr()
     ptrs = ptrs.to(device)
+    lists = [(src.to(device), dst.to(device)) for src, dst in lists]
+    n = lists[0][0].numel()
     pair_st = torch.zeros(n, dtype=torch.int32, device=device)
-    src, dst = src.to(device), dst.to(device)
-    count = torch.zeros(2, dtype=torch.int32, device=device)
+    count = torch.zeros(2, dtype=torch.int32, device=device)  # the pairs listed, the programs done
     W = host_k.shape[1] * host_k.element_size() // 2
     grid = (min(tm.COPY_PROGRAMS, -(-n // tm.COPY)),)
+    turn = iter(range(1 << 30))
 
     def launch():
+        src, dst = lists[next(turn) % len(lists)]
         count[0] = n  # the kernel's last program empties the list
         tm._copy_list_kernel[grid](ptrs, pair_st, src, dst, count, W=W, COPY=tm.COPY)
 
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--runs", default="50,1")
     ap.add_argument("--hugepage-gb", default="12", help="mirror sizes in huge pages ('' for none; CUDA only)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--lists", default="same,fresh",
+                    help="same: every launch copies the same pairs; fresh: a new pair list each launch")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1): the harness runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from wnw_exp.kv import triton_moves as tm
 
     if a.smoke:
-        a.pairs, a.footprint_gb, a.runs, a.reps = "40", "0.0001", "5,1", 1
+        a.pairs, a.footprint_gb, a.runs, a.reps = "40", "0.0001", "5,1", 2
     row_bytes = HEAD_DIM * 2
     meta = dict(gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)",
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -152,15 +161,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dev_k = torch.zeros(n_slots, HEAD_DIM, dtype=torch.bfloat16, device=device)
     dev_v = torch.zeros_like(dev_k)
 
+    modes = a.lists.split(",")
+
     def measure(source: str, host_k, host_v, gb, n: int, run: int) -> None:
-        """Time the copy of n pairs (groups of `run` consecutive rows) from host_k/host_v, emit the row, and check
-        the copied rows against their source."""
-        src, dst = pair_list(n, host_k.shape[0], n_slots, run, gen)
-        us = time_copy(tm, host_k, host_v, dev_k, dev_v, src, dst, a.reps, device)
-        emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, us=round(us, 1),
-                  gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
-        if not torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long().to(host_k.device)].cpu()):
-            emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, error="copied rows differ"))
+        """Time the copy of n pairs (groups of `run` consecutive rows) from host_k/host_v, with the same or fresh
+        lists, emit the rows, and check the last copied rows against their source."""
+        for mode in modes:
+            lists = [pair_list(n, host_k.shape[0], n_slots, run, gen) for _ in range(1 if mode == "same" else a.reps + 2)]
+            us = time_copy(tm, host_k, host_v, dev_k, dev_v, lists, a.reps, device)
+            emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, lists=mode,
+                      us=round(us, 1), gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))
+            src, dst = lists[(a.reps + 1) % len(lists)]  # the last launch's
+            if not torch.equal(dev_k[dst.long().to(device)].cpu(), host_k[src.long().to(host_k.device)].cpu()):
+                emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, lists=mode,
+                          error="copied rows differ"))
+
     def host_rows(gb: float) -> int:  # K and V each half the footprint, never fewer rows than the slots
         return max(n_slots, int(gb * 1e9 / 2 / row_bytes))
 
@@ -188,15 +203,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         except (RuntimeError, OSError, ValueError) as e:
             emit(dict(kind="copy_micro", source="huge pages", footprint_gb=gb, error=f"{type(e).__name__}: {e}"))
             continue
-        for n in pairs:
-            measure("huge pages", host_k, host_v, gb, n, 50)
+        for run in (int(x) for x in a.runs.split(",")):
+            for n in pairs:
+                measure("huge pages", host_k, host_v, gb, n, run)
         for t in (host_k, host_v):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         del host_k, host_v, buf_k, buf_v
     # the kernel's floor (device source) and the link's ceiling (one contiguous copy of the same bytes)
     src_k, src_v = dev_k.clone(), dev_v.clone()
     for n in pairs:
-        measure("device", src_k, src_v, None, n, 50)
+        measure("device", src_k, src_v, None, n, 1)
         if device.type == "cuda":
             host = torch.empty(n * 2, HEAD_DIM, dtype=torch.bfloat16, pin_memory=True)
             buf = torch.empty_like(host, device=device)

@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # 12 / 5 there; WnW and AdaKV, whose answers' pages now come as they grow, about 3x as many)
     ap.add_argument("--requests-4min", type=int, default=48)
     ap.add_argument("--requests-10min", type=int, default=20)
+    ap.add_argument("--lengths", default="4,10", help="--gpu: which scenarios run, in minutes of audio (4, 10)")
     ap.add_argument("--retention", type=float, default=0.2)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--prefill-chunk-layers", type=int, default=6, help="prefill layers between two decode steps")
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device: use --smoke for the CPU check")
         model_name, budget, tok_mean, bs1_tokens = "voxtral", a.kv_budget_gb or 6.0, None, a.bs1_tokens
-        audio = [(3000, a.requests_4min), (7500, a.requests_10min)]
+        audio = [x for x, m in (((3000, a.requests_4min), "4"), ((7500, a.requests_10min), "10"))
+                 if m in a.lengths.split(",")]
         path = dict(graph=False)
     out = Path(a.out) if a.out else None
     if out is not None:

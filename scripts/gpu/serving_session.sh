@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call for issue 16 (carry .whl): the CUDA tests of the batched flush / chunk swap, the batched step's
 # profile at peak (33 WnW streams), then the serving rows with CUDA graphs (SERVING_GRAPH, in order, none started
-# after SERVING_DEADLINE_S). Everything is packed into $OUT/serving-session.tar.gz (the device returns few files).
+# after SERVING_DEADLINE_S; LENGTHS=4 for the 4-min scenario alone). MICRO="<copy_micro.py arguments>" also times the
+# recall copy alone after the tests. Everything is packed into $OUT/serving-session.tar.gz (the device returns few
+# files).
 #   run: bash scripts/gpu/serving_session.sh     [carry .whl, timeout_s 600]
 set -uo pipefail
 OUTD=${OUT:-/tmp/out}; W=/tmp/serving-session; mkdir -p "$OUTD" $W
@@ -16,11 +18,16 @@ timeout "${TEST_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_wnw.
   tests/test_batch.py -k "${TEST_K:-not smoke and (cuda or bf16 or kernel or triton or graph or batched or flush)}" \
   > $W/pytest.log 2>&1
 tail -3 $W/pytest.log; echo "tests at $(( $(date +%s) - t0 )) s"
-timeout 90 python3 benchmarks/serving.py --gpu --profile "${PROFILE:-wnw:33:3000:graph}" --out $W/profile.json \
+if [ -n "${MICRO:-}" ]; then
+  timeout 60 python3 benchmarks/copy_micro.py $MICRO --out $W/copy_micro.json > $W/copy_micro.log 2>&1
+  grep -c copy_micro $W/copy_micro.log; echo "copy micro at $(( $(date +%s) - t0 )) s"
+fi
+timeout "${PROFILE_S:-90}" python3 benchmarks/serving.py --gpu --profile "${PROFILE:-wnw:33:3000:graph}" --out $W/profile.json \
   > $W/profile.log 2>&1
 python3 -c "import json;[print(r['method'],r['streams'],round(r['step_ms_wall_p50'],2),r['device_us_per_step'],[(t['kernel'][:28],t['us_per_step']) for t in r['top'][:6]]) for r in json.load(open('$W/profile.json')) if r.get('kind')=='profile']" 2>&1 | tail -4
 echo "profile at $(( $(date +%s) - t0 )) s"
 left=$(( ${LIMIT_S:-585} - ($(date +%s) - t0) ))
-timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - 110 )) --methods "" \
-  --graph-methods "${SERVING_GRAPH:-full,wnw,adakv,arkvale,wnw_recall_off}" --out $W/serving.json > $W/serving.log 2>&1
+timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - ${SERVING_MARGIN_S:-110} )) --methods "" \
+  --graph-methods "${SERVING_GRAPH:-full,wnw,adakv,arkvale,wnw_recall_off}" --lengths "${LENGTHS:-4,10}" \
+  --out $W/serving.json > $W/serving.log 2>&1
 grep '"kind": "throughput"' $W/serving.log | cut -c1-240; echo "serving at $(( $(date +%s) - t0 )) s"

@@ -142,7 +142,8 @@ def latency_bs1(bb, prompt, method: str, info: dict, scores: Path, n_new: int, r
 
 class _PeakSteps(list):
     """`BatchStats.batch_sizes` that runs a torch.profiler over `steps` decode steps once the batch holds `peak`
-    streams (after `skip` steps at that size: the graph's capture and warm steps stay out)."""
+    streams, after `skip` steps at that size (the graph's capture and warm steps stay out) and `steps` more timed
+    without the profiler (`BatchStats.step_ms`: each step's wall time, which ends with the host reading its tokens)."""
 
     def __init__(self, prof, peak: int, steps: int, skip: int):
         super().__init__()
@@ -150,15 +151,60 @@ class _PeakSteps(list):
 
     def append(self, n: int) -> None:
         super().append(n)
-        if n != self.peak or self.seen > self.skip + self.steps:
+        if n != self.peak or self.seen > self.skip + 2 * self.steps:
             return
         self.seen += 1
-        if self.seen == self.skip:
+        if self.seen == self.skip + self.steps:
             ds._sync()
             self.prof.start()
-        elif self.seen == self.skip + self.steps:
+        elif self.seen == self.skip + 2 * self.steps:
             ds._sync()
             self.prof.stop()
+
+
+ABLATIONS = ("copy", "flush", "records", "decide")
+
+
+def ablated(parts: str):
+    """A diagnostic, for `--profile` only: the named parts of the work after each decode step left out, to time
+    the step without them (the answers are then wrong). copy: the flush without its copy of the recalled rows;
+    flush: no flush at all (queued moves stay queued); records: no per-step accounting; decide: no method decision
+    (`Policy.after_step_all`). Returns a function that puts everything back."""
+    from wnw_exp.kv import packed
+    from wnw_exp.methods.base import Policy
+
+    undo = []
+
+    def patch(obj, name, value):
+        undo.append((obj, name, obj.__dict__[name]))
+        setattr(obj, name, value)
+
+    for part in filter(None, parts.split(",")):
+        if part not in ABLATIONS:
+            raise SystemExit(f"--ablate {part!r}: choose from {', '.join(ABLATIONS)}")
+        if part == "copy":
+            from wnw_exp.kv import triton_moves as tm
+
+            def flush_only(self):
+                if self.n_rows:
+                    tm._flush_kernel[(self.n_rows,)](self.ptrs, self.row_st, self.row_r, self.scr_off, self.scratch,
+                                                     self.pair_st, self.pair_src, self.pair_dst, self.count,
+                                                     SCAN=tm.SCAN)
+                    self.count.zero_()
+            patch(tm.FlushTables, "__call__", flush_only)
+        elif part == "flush":
+            patch(packed, "flush_stores", lambda stores, held=None: None)
+        elif part == "records":
+            patch(packed, "record_steps", lambda stores, held=None: None)
+        elif part == "decide":
+            for cls in [Policy, *Policy.__subclasses__(), *(c for k in Policy.__subclasses__() for c in k.__subclasses__())]:
+                if "after_step_all" in cls.__dict__:
+                    patch(cls, "after_step_all", classmethod(lambda cls, policies, steps, held: None))
+
+    def restore():
+        for obj, name, value in reversed(undo):
+            setattr(obj, name, value)
+    return restore
 
 
 def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: int, steps: int, retention: float,
@@ -173,7 +219,7 @@ def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: 
 
     skip = 4  # steps at the peak left out: the composition's eager steps and its capture
     r = 1.0 if method == "full" else retention
-    cap = n_streams + steps + 2 * skip  # every stream still runs when the last one joins, `steps` steps later too
+    cap = n_streams + 2 * steps + 2 * skip  # every stream still runs when the last one joins, 2 x `steps` later too
     template = policy_for(method, info, scores, prompt.n_audio, cap)
     template.check(r)
     cuda = bb.device.type == "cuda"
@@ -185,14 +231,15 @@ def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: 
                                retention=r, pool=pool, stats=stats, **path):
         if isinstance(res, Exception):
             raise res
-    if stats.batch_sizes.seen < skip + steps:
-        if stats.batch_sizes.seen >= skip:  # started, never stopped
+    if stats.batch_sizes.seen < skip + 2 * steps:
+        if stats.batch_sizes.seen >= skip + steps:  # started, never stopped
             prof.stop()
         raise RuntimeError(f"the batch reached {n_streams} streams for {stats.batch_sizes.seen} steps only")
-    at_peak = [ms for n, ms in zip(stats.batch_sizes, stats.step_ms) if n == n_streams][skip:skip + steps]
+    at_peak = [ms for n, ms in zip(stats.batch_sizes, stats.step_ms) if n == n_streams]
     # on the CPU (the smoke's check only) the ops' times
     return dict(kind="profile", method=method, retention=r, audio_tokens=prompt.n_audio, streams=n_streams,
-                steps=steps, graph=path.get("graph"), step_ms_wall_p50=_pct(at_peak, 50),
+                steps=steps, graph=path.get("graph"), step_ms_p50=_pct(at_peak[skip:skip + steps], 50),
+                step_ms_wall_p50=_pct(at_peak[skip + steps:skip + 2 * steps], 50),
                 **ds.per_step(ds.kernel_times(prof, cuda), steps, top))
 
 
@@ -220,9 +267,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="--gpu: after every scenario ran without CUDA graphs, these again with one graph per batch "
                          "composition ('' for none)")
     ap.add_argument("--profile", default="",
-                    help="--gpu: instead of the scenarios, profile rows 'method:streams:audio[:graph]', comma-separated "
-                         "(e.g. wnw:33:3000:graph,adakv:35:3000)")
+                    help="--gpu: instead of the scenarios, profile rows 'method:streams:audio[:graph][:-part+part]', "
+                         "comma-separated (e.g. wnw:33:3000:graph,wnw:33:3000:graph:-copy,adakv:35:3000); the parts "
+                         "are --ablate's, for that row")
     ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--ablate", default="", help="--profile only, a diagnostic: parts of the work after each step "
+                    f"left out (comma-separated: {', '.join(ABLATIONS)}); the answers are then wrong")
     ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -274,18 +324,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t_start = time.perf_counter()
     backbones: dict = {}
     for spec in filter(None, a.profile.split(",")):
-        method, n, n_audio, *g = spec.split(":")
+        method, n, n_audio, *extra = spec.split(":")  # extra: "graph", "-part+part" (ablations of this row)
+        parts = ",".join(filter(None, [a.ablate] + [x[1:].replace("+", ",") for x in extra if x.startswith("-")]))
         if int(n_audio) not in backbones:
             backbones[int(n_audio)] = ds.make_backbone(model, int(n_audio))
         bb = backbones[int(n_audio)]
+        restore = ablated(parts)
         try:
             row = profile_batch(bb, bb.build_prompt(), method, info, scores, int(n), a.profile_steps, a.retention,
-                                path if a.smoke else dict(graph=bool(g)))
+                                path if a.smoke else dict(graph="graph" in extra))
         except Exception as e:  # noqa: BLE001
             import traceback
             traceback.print_exc()
             row = dict(kind="profile", method=method, spec=spec, error=f"{type(e).__name__}: {e}")
-        emit(dict(row, **meta))
+        finally:
+            restore()
+        emit(dict(row, ablate=parts or None, **meta))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     for n_audio, n_req, method, job_path in jobs:

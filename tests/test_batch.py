@@ -567,14 +567,38 @@ def test_serving_profile_rows_smoke(tmp_path):
     out = tmp_path / "profile.json"
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, str(root / "benchmarks/serving.py"), "--smoke", "--profile",
-                        "wnw:3:200,adakv:2:200", "--profile-steps", "2", "--out", str(out)],
+                        "wnw:3:200,wnw:3:200:-flush+decide,adakv:2:200", "--profile-steps", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=240, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert [(x["kind"], x["method"], x["streams"], x["steps"]) for x in rows] == [("profile", "wnw", 3, 2),
-                                                                                 ("profile", "adakv", 2, 2)]
+    assert [(x["kind"], x["method"], x["streams"], x["steps"], x["ablate"]) for x in rows] == [
+        ("profile", "wnw", 3, 2, None), ("profile", "wnw", 3, 2, "flush,decide"), ("profile", "adakv", 2, 2, None)]
     for x in rows:
         assert "error" not in x and x["top"] and any(t["launches_per_step"] > 0 for t in x["top"])
+        assert x["step_ms_p50"] > 0 and x["step_ms_wall_p50"] > 0  # timed without, then with the profiler
+
+
+def test_serving_ablations_patch_and_restore():
+    """serving.py's --ablate diagnostic: each part replaces what it names while the row runs, and everything is put
+    back after it (the next row runs the real code); an unknown part is refused with the choices."""
+    import importlib.util
+
+    from wnw_exp.kv import packed
+    from wnw_exp.methods.base import Policy
+    from wnw_exp.methods.wnw.policy import WnW
+
+    spec = importlib.util.spec_from_file_location("serving_bench", Path(__file__).resolve().parents[1] / "benchmarks/serving.py")
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    before = (packed.flush_stores, packed.record_steps, Policy.__dict__["after_step_all"], WnW.__dict__["after_step_all"])
+    restore = serving.ablated("flush,records,decide")
+    assert packed.flush_stores is not before[0] and packed.record_steps is not before[1]
+    assert WnW.__dict__["after_step_all"] is not before[3] and WnW.after_step_all([], [], {}) is None
+    restore()
+    assert (packed.flush_stores, packed.record_steps, Policy.__dict__["after_step_all"],
+            WnW.__dict__["after_step_all"]) == before
+    with pytest.raises(SystemExit, match="choose from"):
+        serving.ablated("everything")
 
 
 def test_serving_benchmark_smoke(tmp_path):

@@ -197,7 +197,11 @@ def ablated(parts: str):
         elif part == "records":
             patch(packed, "record_steps", lambda stores, held=None: None)
         elif part == "decide":
-            for cls in [Policy, *Policy.__subclasses__(), *(c for k in Policy.__subclasses__() for c in k.__subclasses__())]:
+            classes, i = [Policy], 0
+            while i < len(classes):  # every Policy class, however deep
+                classes += [c for c in classes[i].__subclasses__() if c not in classes]
+                i += 1
+            for cls in classes:
                 if "after_step_all" in cls.__dict__:
                     patch(cls, "after_step_all", classmethod(lambda cls, policies, steps, held: None))
 

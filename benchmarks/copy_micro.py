@@ -102,8 +102,9 @@ def median_us(launch, reps: int, device) -> float:
 
 def time_copy(tm, host_k, host_v, dev_k, dev_v, lists, reps: int, device) -> float:
     """Median microseconds of one `_copy_list_kernel` launch over a list of pairs (src, dst), through a table of one
-    store laid out as `FlushTables.ptrs` (only the four K/V addresses are read by the copy). `lists`: the pair lists the launches take in turn (one list: every launch copies the same rows, so the
-    GPU's address translations stay cached; one per launch: new rows each time, as in a decode step)."""
+    store laid out as `FlushTables.ptrs` (only the four K/V addresses are read by the copy). `lists`: the pair lists
+    the launches take in turn (one list: every launch copies the same rows, so the GPU's address translations stay
+    cached; one per launch: new rows each time, as in a decode step)."""
     ptrs = torch.zeros((1, tm.NF), dtype=torch.int64)
     for name, t in (("host_k", host_k), ("host_v", host_v), ("audio_k", dev_k), ("audio_v", dev_v)):
         ptrs[0, tm.FIELDS.index(name)] = t.data_ptr()
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         """Time the copy of n pairs (groups of `run` consecutive rows) from host_k/host_v, with the same or fresh
         lists, emit the rows, and check the last copied rows against their source."""
         for mode in modes:
-            lists = [pair_list(n, host_k.shape[0], n_slots, run, gen) for _ in range(1 if mode == "same" else a.reps + 2)]
+            k = 1 if mode == "same" else a.reps + 2
+            lists = [pair_list(n, host_k.shape[0], n_slots, run, gen) for _ in range(k)]
             us = time_copy(tm, host_k, host_v, dev_k, dev_v, lists, a.reps, device)
             emit(dict(kind="copy_micro", source=source, footprint_gb=gb, pairs=n, run=run, lists=mode,
                       us=round(us, 1), gb_per_s=round(n * 2 * row_bytes / us / 1e3, 2)))

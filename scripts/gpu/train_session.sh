@@ -27,7 +27,9 @@ python3 -m wnw_exp.train.projector export --run-dir "$RUN" --out /root/stash/tra
 tar cf "$OUTD/trained.tar" -C /root/stash trained
 cp "$RUN/train_log.jsonl" "$OUTD/" 2>/dev/null
 # dev selection: Full Cache with wnw-run (the graph path, ~2 ms a token) on DEV_N dev clips of 2-4 min, the new
-# weights and (ANCHOR=1) INIT's side by side; predictions and metrics in $OUT/dev_runs.tar.gz
+# weights and (ANCHOR=1) INIT's side by side; predictions and metrics in $OUT/dev_runs.tar.gz. EVAL_S=0: none (the
+# whole call for training; scripts/gpu/eval_session.sh makes the choice in the next call)
+[ "$EVAL_S" -gt 0 ] || { echo "session done at $(( $(date +%s) - t0 )) s (no dev eval)"; exit 0; }
 python3 scripts/gpu/synth_clips.py dev:"$DEV_N":120:240
 DEV=(model=whisper_smollm2 dataset=synthetic dataset.text=natural dataset.split=dev dataset.n=$DEV_N dataset.min_seconds=120
      dataset.max_seconds=240 method=full retention=1.0 device=cuda progress=false runs_root=/root/stash/dev_runs)

@@ -587,10 +587,12 @@ def test_serving_ablations_patch_and_restore():
     from wnw_exp.methods.base import Policy
     from wnw_exp.methods.wnw.policy import WnW
 
-    spec = importlib.util.spec_from_file_location("serving_bench", Path(__file__).resolve().parents[1] / "benchmarks/serving.py")
+    path = Path(__file__).resolve().parents[1] / "benchmarks/serving.py"
+    spec = importlib.util.spec_from_file_location("serving_bench", path)
     serving = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serving)
-    before = (packed.flush_stores, packed.record_steps, Policy.__dict__["after_step_all"], WnW.__dict__["after_step_all"])
+    before = (packed.flush_stores, packed.record_steps, Policy.__dict__["after_step_all"],
+              WnW.__dict__["after_step_all"])
     restore = serving.ablated("flush,records,decide")
     assert packed.flush_stores is not before[0] and packed.record_steps is not before[1]
     assert WnW.__dict__["after_step_all"] is not before[3] and WnW.after_step_all([], [], {}) is None

@@ -195,8 +195,16 @@ class FlushTables:
     def __call__(self) -> None:
         if self.n_rows == 0:
             return
+        self.flush()
+        self.copy()
+
+    def flush(self) -> None:
+        """The first launch: the moves, the recalled pairs listed (`__call__` runs both launches)."""
         _flush_kernel[(self.n_rows,)](self.ptrs, self.row_st, self.row_r, self.scr_off, self.scratch, self.pair_st,
                                       self.pair_src, self.pair_dst, self.count, SCAN=SCAN)
+
+    def copy(self) -> None:
+        """The second launch: the listed pairs copied, the list emptied."""
         _copy_list_kernel[(self.copy_programs,)](self.ptrs, self.pair_st, self.pair_src, self.pair_dst, self.count,
                                                  W=self.W, COPY=COPY)
 

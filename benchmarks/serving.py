@@ -119,6 +119,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 mean_batch=float(np.mean(stats.batch_sizes)) if stats.batch_sizes else 0.0,
                 steps=len(stats.batch_sizes), step_ms_p50_at_peak=_pct([stats.step_ms[i] for i in at_peak], 50),
                 step_ms_p95_at_peak=_pct([stats.step_ms[i] for i in at_peak], 95), steps_at_peak=len(at_peak),
+                **_kinds_at_peak(stats, at_peak),
                 prefill_ms_mean=float(np.mean([x.prefill_ms for x in results.values()])),
                 prefill_stall_ms_max=max(stats.prefill_ms_between_steps, default=0.0),
                 prefill_chunk_layers=chunk_layers, pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
@@ -209,6 +210,17 @@ def ablated(parts: str):
     return restore
 
 
+def _kinds_at_peak(stats, at_peak: list[int]) -> dict:
+    """The steps at peak by kind (`BatchStats.step_kinds`: replays of a composition's CUDA graph, its capture, the
+    eager steps before it): how many, and their mean wall time. What separates the at-peak mean from the replays'."""
+    out = {}
+    for kind in ("replay", "capture", "eager"):
+        ms = [stats.step_ms[i] for i in at_peak if stats.step_kinds[i] == kind]
+        out[f"steps_at_peak_{kind}"] = len(ms)
+        out[f"step_ms_mean_at_peak_{kind}"] = float(np.mean(ms)) if ms else None
+    return out
+
+
 def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: int, steps: int, retention: float,
                   path: dict, top: int = 18) -> dict:
     """Where a batched decode step's device time goes at `n_streams` streams: `n_streams` equal requests in an
@@ -295,11 +307,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
     import transformers
+    from wnw_exp.engine import decode as engine_decode
 
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu (smoke)",
                 command=" ".join(["benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]),
-                torch=torch.__version__, transformers=transformers.__version__)
+                torch=torch.__version__, transformers=transformers.__version__,
+                engine=dict(warm_steps=engine_decode.WARM_STEPS))
     model = ds.build_model(model_name)
     info = ds.backbone_info(model_name, model.config)
     tmp = (out.parent if out is not None else Path("/tmp")) / "serving_tmp"

@@ -436,6 +436,9 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
     assert any(n == 2 for n, _, _ in flushes) and all(rows == n_rows > 0 for _, rows, n_rows in flushes)
     if not HAS_CUDA:  # one flush a step (a CUDA graph replays its steps' flushes without calling flush_stores)
         assert len(flushes) == len(stats.batch_sizes)
+        assert stats.step_kinds == ["eager"] * len(stats.batch_sizes)
+    else:  # each composition: WARM_STEPS eager steps, its capture, then replays
+        assert len(stats.step_kinds) == len(stats.batch_sizes) and {"eager", "capture", "replay"} <= set(stats.step_kinds)
     # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels; bf16 rounds every GEMM
     tol = 1e-4 if not HAS_CUDA else 5e-3 if dtype == torch.float32 else 0.1
     for i, a in enumerate(solo):
@@ -626,10 +629,45 @@ def test_serving_benchmark_smoke(tmp_path):
         # the steady-state rate is the peak's streams over the peak's median step, give or take the spread
         assert 0.5 < x["tokens_per_s_at_peak"] * x["step_ms_p50_at_peak"] / 1e3 / x["max_concurrent"] < 2.0
         assert x["preempted"] >= 0 and x["expected_new_tokens"] == 6
+        # the CPU smoke has no CUDA graph: every step at peak is eager, and the kinds account for all of them
+        assert x["steps_at_peak_eager"] == x["steps_at_peak"] and x["steps_at_peak_replay"] == 0
+        assert x["engine"] == {"warm_steps": 1}
     assert tput["full"]["max_concurrent"] == 2
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
     assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]
     assert {x["method"] for x in rows if x["kind"] == "latency_bs1"} == set(tput)
+
+
+def test_the_benchmarks_scripted_signal_of_a_batch_equals_each_streams_own():
+    """decode_speed.py's scripted anchor signal for a batch (`_adjust_signals`: a few launches for every stream)
+    leaves each stream's accumulated signal and step counter exactly as its own `_adjust_signal` would, streams at
+    different steps included; the prefill decision (step -1) is left alone."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/decode_speed.py"
+    spec = importlib.util.spec_from_file_location("decode_speed_bench", path)
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    cls = ds.scripted_wnw_class(n_audio=50, steps=6, speed=2.0, beta=0.3)
+    bumps = torch.rand(8, 50, generator=torch.Generator().manual_seed(0))
+
+    def make(s0: int, seed: int, mass: float = 12.0):
+        p = object.__new__(cls)
+        p.scores_acc = torch.rand(50, generator=torch.Generator().manual_seed(seed))
+        p._bumps, p._s, p._mass = bumps, torch.tensor([s0]), mass
+        return p
+
+    starts, masses = (0, 3, 5, 1), (12.0, 12.0, 7.0, 12.0)
+    batch = [make(s, i, m) for i, (s, m) in enumerate(zip(starts, masses))]
+    own = [make(s, i, m) for i, (s, m) in enumerate(zip(starts, masses))]
+    steps = [4, 4, None, -1]  # None: inside a graph capture; -1: the prefill decision
+    cls._adjust_signals(list(zip(batch, steps)))
+    for p, i in zip(own, steps):
+        p._adjust_signal(i)
+    for a, b in zip(batch, own):
+        torch.testing.assert_close(a.scores_acc, b.scores_acc, rtol=1e-6, atol=1e-7)
+        assert int(a._s) == int(b._s)
+    assert [int(p._s) for p in batch] == [1, 4, 6, 1]
 
 
 def test_batch_parity_finds_the_parting_step_its_margin_and_the_drift_before_it():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -91,7 +92,10 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
     return DecodePath(store, bool(fused), bool(graph), kernels)
 
 
-WARM_STEPS = 2  # eager steps before a CUDA graph is captured (they compile the kernels and allocate the buffers)
+# eager steps before a CUDA graph is captured: they compile the kernels, allocate the buffers and build the tables
+# that must not be built inside a capture (one is enough: the CUDA tests pass with it, and a batch of 33 streams'
+# eager steps cost 50-80 ms each on the H200, docs/gpu.md); WNW_WARM_STEPS overrides it, for measurements
+WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 
 class Stream:
@@ -357,6 +361,7 @@ class BatchStats:
 
     batch_sizes: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
+    step_kinds: list[str] = field(default_factory=list)  # each step: "replay" (its CUDA graph), "capture" or "eager"
     prefill_ms_between_steps: list[float] = field(default_factory=list)
     refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
     preempted: list = field(default_factory=list)  # keys of the streams preempted (restarted later), in order
@@ -466,6 +471,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             if not active:
                 continue
         t0 = time.perf_counter()
+        replayed = getattr(batched.get("runner"), "graph", None) is not None
         try:
             tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
@@ -477,6 +483,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         ms = (time.perf_counter() - t0) * 1e3
         stats.batch_sizes.append(len(active))
         stats.step_ms.append(ms)
+        stats.step_kinds.append(_step_kind(batched.get("runner"), replayed))
         failed = {}
         for b, st in enumerate(active):
             if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
@@ -494,6 +501,14 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             active = [st for st in active if not st.done]
             batched.clear()
             waiting_for_room = False
+
+
+def _step_kind(runner, replayed: bool) -> str:
+    """What a batched step just was: "replay" (of the composition's CUDA graph), "capture" (the step that recorded
+    it), or "eager" (warm-up steps, and every step off the graph path)."""
+    if replayed:
+        return "replay"
+    return "capture" if getattr(runner, "graph", None) is not None else "eager"
 
 
 def default_pool(backbone: Backbone, gb: float | None = None, fraction: float = 0.8):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from wnw_exp.backbones.layer import decoder_layer
+from wnw_exp.kv.packed import advance_stores
 
 
 class TorchStep:
@@ -263,8 +264,7 @@ class BatchedFusedStep:
         self.logits = _final_logits(self)  # (B, vocab)
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.tok)
         self.t += 1
-        for st in self.streams:
-            st.store.advance()
+        advance_stores([st.store for st in self.streams])
 
 
 class CapturedStep:

@@ -641,6 +641,14 @@ def flush_stores(stores, held: dict | None = None) -> None:
     held["tables"]()
 
 
+def advance_stores(stores) -> None:
+    """Every store's `advance()` (a batch's streams), their device counts in one launch."""
+    torch._foreach_add_([s._lens for s in stores], 1)
+    if not _capturing():
+        for s in stores:
+            s._dense_n += 1
+
+
 def record_steps(stores, held: dict | None = None) -> None:
     """Every store's `record_step()`: those with Triton kernels together, in one launch (their `RecordTables`,
     kept in `held` between calls and rebuilt when a store's tensors change: build it outside a graph capture),

@@ -306,6 +306,13 @@ class WnW(Policy):
         anchor signal `scores_acc` (graph-safe; the benchmarks' scripted anchor attention,
         `benchmarks/decode_speed.py: scripted_wnw`). None here."""
 
+    @classmethod
+    def _adjust_signals(cls, together: list[tuple["WnW", int | None]]) -> None:
+        """`_adjust_signal` of the policies that decide together in a batch ((policy, step) pairs): each its own
+        here; a subclass may do them in fewer launches."""
+        for p, i in together:
+            p._adjust_signal(i)
+
     def _decide(self, step: int | None) -> None:
         if not self.has_anchors:
             return
@@ -388,8 +395,7 @@ class WnW(Policy):
         from wnw_exp.kv.packed import _capturing
         from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
 
-        for p, i in together:
-            p._adjust_signal(i)
+        cls._adjust_signals(together)
         parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p, _ in together]
         tables = held.get("swap_tables")
         try:

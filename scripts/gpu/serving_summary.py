@@ -1,0 +1,26 @@
+"""Print the throughput rows of serving.py JSON files in one line each (on the GPU machine, to read a call's result
+from its log): file, method, streams at peak, tokens/s at peak and x the file's Full of the same length, step p50 at peak, and the steps
+at peak by kind (replay / capture / eager: count and mean ms).
+    python3 scripts/gpu/serving_summary.py OUT/*.json"""
+import json
+import sys
+
+for path in sys.argv[1:]:
+    try:
+        rows = [r for r in json.load(open(path)) if r.get("kind") in ("throughput", "profile")]
+    except (OSError, ValueError) as e:
+        print(path, "unreadable:", e)
+        continue
+    full = {r["audio_tokens"]: r["tokens_per_s_at_peak"] for r in rows if r.get("method") == "full"
+            and r.get("kind") == "throughput"}  # each length's Full
+    for r in rows:
+        if r["kind"] == "profile":
+            print(path, "profile", r.get("method"), r.get("streams"), r.get("ablate"), "p50",
+                  round(r.get("step_ms_p50") or 0, 3), "device_us", r.get("device_us_per_step"), r.get("error", ""))
+            continue
+        kinds = " ".join(f"{k}={r.get(f'steps_at_peak_{k}')}@{(r.get(f'step_ms_mean_at_peak_{k}') or 0):.2f}"
+                         for k in ("replay", "capture", "eager"))
+        x = r["tokens_per_s_at_peak"] / full[r["audio_tokens"]] if r["audio_tokens"] in full else float("nan")
+        print(path, r["method"], r["audio_tokens"], r["max_concurrent"], f"{r['tokens_per_s_at_peak']:.0f}",
+              f"x{x:.3f}", f"whole {r['tokens_per_s']:.0f}", f"p50 {r['step_ms_p50_at_peak']:.3f}", kinds,
+              r.get("engine"))

@@ -218,6 +218,10 @@ def _kinds_at_peak(stats, at_peak: list[int]) -> dict:
         ms = [stats.step_ms[i] for i in at_peak if stats.step_kinds[i] == kind]
         out[f"steps_at_peak_{kind}"] = len(ms)
         out[f"step_ms_mean_at_peak_{kind}"] = float(np.mean(ms)) if ms else None
+        if kind != "replay":  # of that mean: making the composition's step, and the decisions and moves after it
+            for part, xs in (("build", stats.step_build_ms), ("after", stats.step_after_ms)):
+                v = [xs[i] for i in at_peak if stats.step_kinds[i] == kind]
+                out[f"step_{part}_ms_mean_at_peak_{kind}"] = float(np.mean(v)) if v else None
     return out
 
 

@@ -96,6 +96,11 @@ def test_batched_fused_step_on_a_pool_matches_bs1(case):
     if method != "full":
         assert any(x.store_summary["mb_per_step"] > 0 for x in batched.values())  # the method really moved KV
     assert pool.used_blocks == 0 < pool.peak_blocks  # every stream gave its extent back
+    # a new batched step is made exactly where the batch changes (a join or a leave), and its host time is a part
+    # of that step's; every step (no graph on the CPU) runs the decisions and moves after its layers
+    changed = [0] + [j for j in range(1, len(stats.batch_sizes)) if stats.batch_sizes[j] != stats.batch_sizes[j - 1]]
+    assert [j for j, ms in enumerate(stats.step_build_ms) if ms > 0] == changed
+    assert all(0 < a + b <= t for a, b, t in zip(stats.step_after_ms, stats.step_build_ms, stats.step_ms))
 
 
 def test_a_pool_with_room_for_one_stream_runs_two_one_after_the_other():
@@ -631,6 +636,8 @@ def test_serving_benchmark_smoke(tmp_path):
         assert x["preempted"] >= 0 and x["expected_new_tokens"] == 6
         # the CPU smoke has no CUDA graph: every step at peak is eager, and the kinds account for all of them
         assert x["steps_at_peak_eager"] == x["steps_at_peak"] and x["steps_at_peak_replay"] == 0
+        assert 0 < x["step_after_ms_mean_at_peak_eager"] <= x["step_ms_mean_at_peak_eager"]
+        assert 0 <= x["step_build_ms_mean_at_peak_eager"] <= x["step_ms_mean_at_peak_eager"]
         assert x["engine"] == {"warm_steps": 1}
     assert tput["full"]["max_concurrent"] == 2
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2

@@ -1,6 +1,7 @@
 """Print the throughput rows of serving.py JSON files in one line each (on the GPU machine, to read a call's result
 from its log): file, method, streams at peak, tokens/s at peak and x the file's Full of the same length, step p50 at peak, and the steps
-at peak by kind (replay / capture / eager: count and mean ms).
+at peak by kind (replay / capture / eager: count and mean ms; of the last two, the host ms making the
+composition's step and running the decisions and moves after its layers).
     python3 scripts/gpu/serving_summary.py OUT/*.json"""
 import json
 import sys
@@ -20,6 +21,9 @@ for path in sys.argv[1:]:
             continue
         kinds = " ".join(f"{k}={r.get(f'steps_at_peak_{k}')}@{(r.get(f'step_ms_mean_at_peak_{k}') or 0):.2f}"
                          for k in ("replay", "capture", "eager"))
+        parts = " ".join(f"{k}:build={r.get(f'step_build_ms_mean_at_peak_{k}') or 0:.1f},after="
+                         f"{r.get(f'step_after_ms_mean_at_peak_{k}') or 0:.1f}" for k in ("capture", "eager"))
+        kinds += " " + parts
         x = r["tokens_per_s_at_peak"] / full[r["audio_tokens"]] if r["audio_tokens"] in full else float("nan")
         print(path, r["method"], r["audio_tokens"], r["max_concurrent"], f"{r['tokens_per_s_at_peak']:.0f}",
               f"x{x:.3f}", f"whole {r['tokens_per_s']:.0f}", f"p50 {r['step_ms_p50_at_peak']:.3f}", kinds,

@@ -362,6 +362,10 @@ class BatchStats:
     batch_sizes: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     step_kinds: list[str] = field(default_factory=list)  # each step: "replay" (its CUDA graph), "capture" or "eager"
+    # each step's host time (ms) making a new composition's batched step, and running the decisions and moves
+    # after its layers (0 where none ran: a replay, a stream stepping on its own); parts of `step_ms`
+    step_build_ms: list[float] = field(default_factory=list)
+    step_after_ms: list[float] = field(default_factory=list)
     prefill_ms_between_steps: list[float] = field(default_factory=list)
     refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
     preempted: list = field(default_factory=list)  # keys of the streams preempted (restarted later), in order
@@ -484,6 +488,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         stats.batch_sizes.append(len(active))
         stats.step_ms.append(ms)
         stats.step_kinds.append(_step_kind(batched.get("runner"), replayed))
+        stats.step_build_ms.append(batched.pop("build_ms", 0.0))
+        stats.step_after_ms.append(batched.pop("after_ms", 0.0))
         failed = {}
         for b, st in enumerate(active):
             if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
@@ -612,14 +618,17 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
                 tokens.append(e)
         return tokens, [st.step.logits for st in active] if keep_logits else None
     if "runner" not in batched:
+        t0 = time.perf_counter()
         batched["runner"] = TokenRunner(BatchedFusedStep(backbone, active, active[0].path.kernels), backbone.device,
                                         side)
+        batched["build_ms"] = (time.perf_counter() - t0) * 1e3  # host time, read by decode_batch's stats
     runner = batched["runner"]
     step = runner.step
 
     def after_all(i: int | None) -> None:  # every decision, then every store's moves in one flush
         from wnw_exp.kv.packed import flush_stores, record_steps
 
+        t0 = time.perf_counter()
         groups: dict = {}  # the policies of one class decide together (`Policy.after_step_all`)
         for st in active:
             groups.setdefault(type(st.policy), []).append(st)
@@ -628,6 +637,7 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
                                batched.setdefault(("after_step", cls), {}))
         flush_stores([st.store for st in active], batched.setdefault("flush", {}))
         record_steps([st.store for st in active], batched.setdefault("record", {}))
+        batched["after_ms"] = (time.perf_counter() - t0) * 1e3  # host time (not called by a graph's replay)
 
     runner(0, after_all, graph=all(st.path.graph and st.store.graph_safe for st in active))
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None

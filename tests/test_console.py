@@ -1,7 +1,7 @@
 """What `wnw-run` prints, on real processes: a `-m` sweep ends with one table (a row per job, with the job's own
 metrics.json numbers and run directory), each job a `[k/N]` line; Full Cache runs once whatever the retentions
-swept (and a single `method=full` run lands in the same directory). `progress=false` and `make figures`:
-test_console_processes.py."""
+swept (and a single `method=full` run lands in the same directory); the joblib launcher's jobs run in two worker
+processes and reach the table. `progress=false` and `make figures`: test_console_processes.py."""
 
 import json
 import os
@@ -29,8 +29,15 @@ def wnw_run(*args: str, progress_env: bool = False, cache: Path | None = None) -
         env.pop("WNW_NO_PROGRESS", None)
     if cache is not None:
         env["WNW_CACHE"] = str(cache)
-    out = subprocess.run([sys.executable, "-m", "wnw_exp.cli.run", *args], capture_output=True, text=True, env=env,
-                         timeout=300)
+    proc = subprocess.Popen([sys.executable, "-m", "wnw_exp.cli.run", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    out.pid = proc.pid  # the sweep's own process (test_parallel_jobs_...)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 
@@ -78,11 +85,17 @@ def test_a_sweep_ends_with_one_table_and_runs_full_once(tmp_path):
 
 @pytest.mark.skipif(not any((Path(p) / "hydra_plugins" / "hydra_joblib_launcher").is_dir() for p in sys.path),
                     reason="hydra-joblib-launcher is not installed (pip install -e '.[launchers]')")
-def test_the_table_also_comes_from_parallel_jobs(tmp_path):
-    """With the joblib launcher the jobs run in worker processes; their rows still reach the table."""
+def test_parallel_jobs_run_in_two_worker_processes_and_reach_the_table(tmp_path):
+    """`-m hydra/launcher=joblib hydra.launcher.n_jobs=2`: the two runs are done by two worker processes of one
+    pool, neither of them the sweep's own process (n_jobs=1 would run them in the sweep's process); their rows
+    still reach the table. (One sweep for what test_report.py and this module checked in a sweep each.)"""
     root = tmp_path / "runs"
     out = wnw_run("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "dataset.n=1",
                   "method=full,adakv", "retention=0.3", f"runs_root={root}", cache=tmp_path / "c")
+    dirs = [p.parent for p in root.rglob("metrics.json")]
+    assert len(dirs) == 2
+    pids = {int((d / ".lock").read_text()) for d in dirs}  # the run lock holds the writer's pid
+    assert len(pids) == 2 and out.pid not in pids
     _, rows = sweep_table(out.stdout)
     assert sorted((r["method"], r["target"]) for r in rows) == [("adakv", "0.3"), ("full", "1.0")]
     # each job's line, from its worker process (two processes share the pipe: a line may land inside another's)

@@ -282,17 +282,8 @@ def test_an_interrupted_run_is_marked_incomplete(tmp_path):
     assert run.n_selected == 2 and run.complete
 
 
-@pytest.mark.skipif(not any((Path(p) / "hydra_plugins" / "hydra_joblib_launcher").is_dir() for p in sys.path),
-                    reason="hydra-joblib-launcher is not installed (pip install -e '.[launchers]')")
-def test_joblib_launcher_runs_two_jobs_in_parallel(tmp_path):
-    """`-m hydra/launcher=joblib hydra.launcher.n_jobs=2`: the two runs are done by two worker processes of
-    one pool, neither of them the sweep's own process (n_jobs=1 would run them in the sweep's process)."""
-    sweep_pid = wnw_run(tmp_path, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "method=full,adakv",
-                        "retention=0.3", n=1)
-    dirs = [p.parent for p in tmp_path.rglob("metrics.json")]
-    assert len(dirs) == 2
-    pids = {int((d / ".lock").read_text()) for d in dirs}  # the run lock holds the writer's pid
-    assert len(pids) == 2 and sweep_pid not in pids
+# (that the joblib launcher's two runs are made by two worker processes of one pool: test_console.py's
+# test_parallel_jobs_run_in_two_worker_processes_and_reach_the_table, in the same sweep as its table check)
 
 
 # --- the experiment configs ------------------------------------------------------------------------------------

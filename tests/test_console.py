@@ -1,7 +1,8 @@
 """What `wnw-run` prints, on real processes: a `-m` sweep ends with one table (a row per job, with the job's own
 metrics.json numbers and run directory), each job a `[k/N]` line; Full Cache runs once whatever the retentions
 swept (and a single `method=full` run lands in the same directory); the joblib launcher's jobs run in two worker
-processes and reach the table. `progress=false` and `make figures`: test_console_processes.py."""
+processes and reach the table. `progress=false`, `make figures` and benchmarks/run_vs_engine.py:
+test_console_processes.py."""
 
 import json
 import os
@@ -153,30 +154,3 @@ def test_the_keys_a_sweep_varies_are_shown():
     text = sweep_summary([row], "/r")
     assert text.splitlines()[1].split()[-3:] == ["swept", "run", "directory"]
     assert text.splitlines()[2].split()[-2:] == ["method.granularity=chunk", "m/x"]
-
-
-def test_run_vs_engine_times_a_run_directorys_samples_through_the_engine(tmp_path):
-    """benchmarks/run_vs_engine.py (issue 15's wnw-run-within-10% row): it rebuilds a run directory's
-    configuration, decodes the same samples again through the engine, to the same answers, and puts the run's
-    recorded ms/token beside the engine's; a folder that is not a run directory gets one line."""
-    from wnw_exp.rundir import read_predictions
-
-    root = tmp_path / "runs"
-    wnw_run(*TINY, "method=wnw", f"runs_root={root}", cache=tmp_path / "c")
-    run_dir = next(root.rglob("cfg-*"))
-    bench = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "run_vs_engine.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WNW_CACHE=str(tmp_path / "c"))
-    out = subprocess.run([*bench, str(run_dir), "--n", "2", "--out", str(tmp_path / "row.json")], capture_output=True,
-                         text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    row = json.loads((tmp_path / "row.json").read_text())
-    preds = {r["id"]: r for r in read_predictions(run_dir)}
-    assert [x["id"] for x in row["samples"]] == list(preds)[:2]
-    for x in row["samples"]:
-        rec = preds[x["id"]]
-        assert x["run_ms_per_token"] == rec["ms_per_token"] and x["n_new_tokens"] == rec["n_new_tokens"]
-        assert x["engine_ms_per_token"] > 0 and x["same_hypothesis"]  # CPU fp32: the run's answer again
-    assert (row["model"], row["method"], row["retention"]) == ("tiny_random", "wnw", 0.2)
-    assert row["run_over_engine"] == row["run_ms_per_token"] / row["engine_ms_per_token"]
-    bad = subprocess.run([*bench, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
-    assert bad.returncode != 0 and "is not a finished wnw-run directory" in bad.stderr

@@ -21,3 +21,28 @@ if not torch.cuda.is_available():
     # Without CUDA, Triton (when installed) runs only in its interpreter, which must be chosen before anything
     # imports triton: importing a transformers model does, so the Triton tests' own setting would come too late.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+# `make test` hands whole modules to its two workers (`--dist loadscope`), by default the modules with the most
+# tests first. The longest modules are those that start real `wnw-run` processes or load whisper_smollm2, most of
+# them with few tests, so they came last and one worker ran the longest of them alone at the end (2026-12-02 on the
+# 2-core machine: test_console_processes.py's 90 s from 251 s to 345 s, the other worker idle from 308 s). Given
+# out longest first instead (each between 30 and 165 worker-seconds there, varying with what runs beside it; the
+# rest under 12 s), the short modules fill in at the end: both workers finished within 5 s of each other. Only the
+# order changes; a module still runs whole, in its own order, on one worker.
+LONGEST_FIRST = ("test_console_processes.py", "test_clean_failure.py", "test_whisper_smollm2.py", "test_report.py",
+                 "test_batch.py", "test_console.py", "test_runner.py", "test_run_identity.py", "test_fused_decode.py",
+                 "test_data_librispeech_long.py", "test_reliability.py", "test_input_hygiene.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest as collected
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadscope":
+        config.option.loadscopereorder = False  # hand out the modules in the order above
+    return None  # xdist's own scheduler

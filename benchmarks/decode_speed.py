@@ -198,7 +198,7 @@ def synthetic_head_scores(info: dict, path: Path, seed: int = 0) -> Path:
     return path
 
 
-_BUMPS: dict = {}  # (n_audio, steps, device) -> the scripted bumps g_s of every step, shared by the streams
+_BUMPS: dict = {}  # (n_audio, steps, speed, device) -> the scripted bumps g_s of every step, shared by the streams
 
 
 def scripted_wnw(info: dict, head_scores: Path, n_audio: int, steps: int, speed: float, beta: float,
@@ -215,11 +215,11 @@ def scripted_wnw_class(n_audio: int, steps: int, speed: float, beta: float, reca
     class ScriptedWnW(WnW):
         def start(self, ctx, store):
             super().start(ctx, store)
-            x = torch.arange(n_audio, dtype=torch.float32)
-            sigma = max(math.ceil(4.0 * TOKEN_RATE) / 2, 1.0)
-            bumps = [torch.exp(-0.5 * ((x - (speed * s) % n_audio) / sigma) ** 2) for s in range(steps + 2)]
             key = (n_audio, steps, speed, str(ctx.device))  # g_s, computed ahead, one table for every stream
             if key not in _BUMPS:
+                x = torch.arange(n_audio, dtype=torch.float32)
+                sigma = max(math.ceil(4.0 * TOKEN_RATE) / 2, 1.0)
+                bumps = [torch.exp(-0.5 * ((x - (speed * s) % n_audio) / sigma) ** 2) for s in range(steps + 2)]
                 _BUMPS[key] = torch.stack([b / b.sum() for b in bumps]).to(ctx.device)
             self._bumps = _BUMPS[key]
             self._s = torch.zeros(1, dtype=torch.long, device=ctx.device)

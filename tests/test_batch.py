@@ -443,7 +443,8 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
         assert len(flushes) == len(stats.batch_sizes)
         assert stats.step_kinds == ["eager"] * len(stats.batch_sizes)
     else:  # each composition: WARM_STEPS eager steps, its capture, then replays
-        assert len(stats.step_kinds) == len(stats.batch_sizes) and {"eager", "capture", "replay"} <= set(stats.step_kinds)
+        assert len(stats.step_kinds) == len(stats.batch_sizes)
+        assert {"eager", "capture", "replay"} <= set(stats.step_kinds)
     # Triton's fp32 dots run as tf32 on CUDA, tiled differently in the two kernels; bf16 rounds every GEMM
     tol = 1e-4 if not HAS_CUDA else 5e-3 if dtype == torch.float32 else 0.1
     for i, a in enumerate(solo):

@@ -568,9 +568,7 @@ class PackedAudioKVStore(StepAccounting):
     def advance(self) -> None:
         """The step's token is in every layer's dense part: the next step appends after it (graph-safe; the host
         count `_dense_n`, which only the eager `attend` reads, follows eager steps)."""
-        self._lens += 1  # dense_len and dense_len_next
-        if not _capturing():
-            self._dense_n += 1
+        advance_stores([self])
 
     # --- accounting (§3.4) --------------------------------------------------------------------
     def record_step(self) -> None:
@@ -642,7 +640,8 @@ def flush_stores(stores, held: dict | None = None) -> None:
 
 
 def advance_stores(stores) -> None:
-    """Every store's `advance()` (a batch's streams), their device counts in one launch."""
+    """Every store's `advance()` (a batch's streams): their device counts (dense_len and dense_len_next) in one
+    launch; the host count `_dense_n`, which only the eager `attend` reads, follows eager steps."""
     torch._foreach_add_([s._lens for s in stores], 1)
     if not _capturing():
         for s in stores:

@@ -12,9 +12,12 @@ for path in sys.argv[1:]:
     except (OSError, ValueError) as e:
         print(path, "unreadable:", e)
         continue
-    full = {r["audio_tokens"]: r["tokens_per_s_at_peak"] for r in rows if r.get("method") == "full"
-            and r.get("kind") == "throughput"}  # each length's Full
+    full = {r["audio_tokens"]: (r["tokens_per_s_at_peak"], r["tokens_per_s"]) for r in rows
+            if r.get("method") == "full" and r.get("kind") == "throughput" and "tokens_per_s" in r}  # each length's
     for r in rows:
+        if "error" in r or "skipped" in r:
+            print(path, r.get("kind"), r.get("method"), r.get("audio_tokens"), r.get("error") or r.get("skipped"))
+            continue
         if r["kind"] == "profile":
             print(path, "profile", r.get("method"), r.get("streams"), r.get("ablate"), "p50",
                   round(r.get("step_ms_p50") or 0, 3), "device_us", r.get("device_us_per_step"), r.get("error", ""))
@@ -24,7 +27,9 @@ for path in sys.argv[1:]:
         parts = " ".join(f"{k}:build={r.get(f'step_build_ms_mean_at_peak_{k}') or 0:.1f},after="
                          f"{r.get(f'step_after_ms_mean_at_peak_{k}') or 0:.1f}" for k in ("capture", "eager"))
         kinds += " " + parts
-        x = r["tokens_per_s_at_peak"] / full[r["audio_tokens"]] if r["audio_tokens"] in full else float("nan")
+        f_peak, f_whole = full.get(r["audio_tokens"], (float("nan"), float("nan")))
         print(path, r["method"], r["audio_tokens"], r["max_concurrent"], f"{r['tokens_per_s_at_peak']:.0f}",
-              f"x{x:.3f}", f"whole {r['tokens_per_s']:.0f}", f"p50 {r['step_ms_p50_at_peak']:.3f}", kinds,
-              r.get("engine"))
+              f"x{r['tokens_per_s_at_peak'] / f_peak:.3f}", f"whole {r['tokens_per_s']:.0f}",
+              f"x{r['tokens_per_s'] / f_whole:.3f}", f"p50 {r['step_ms_p50_at_peak']:.3f}",
+              f"lat p50/p95 {r['p50_ms']:.2f}/{r['p95_ms']:.1f}", f"prefill {r['prefill_ms_mean']:.0f}", kinds,
+              f"fallbacks {r.get('capture_fallbacks')}", r.get("engine"))

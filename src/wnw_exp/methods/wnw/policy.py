@@ -376,31 +376,51 @@ class WnW(Policy):
         if len(pos):  # both queues, chosen per segment (one launch inside a capture)
             self.store.queue_segments(rows, pos, seg, recall, release)
 
+    @staticmethod
+    def _joins(p: "WnW") -> bool:
+        """Whether `p` decides and queues with a batch's one-launch tables (on the device, the store's Triton
+        kernels and moves, lag 1); the others step on their own."""
+        return (p.has_anchors and p.on_device and p._fused_swap is not None and p.lag == 1
+                and p.store.moves == "triton")
+
+    @staticmethod
+    def _swap_tables(together: list["WnW"], held: dict):
+        """The batch's `ChunkSwapTables` (kept in `held`, rebuilt when a tensor in them changes: outside a
+        capture)."""
+        from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
+
+        parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p in together]
+        tables = held.get("swap_tables")
+        if tables is None or tables.key != ChunkSwapTables.key_of(parts):
+            tables = held["swap_tables"] = ChunkSwapTables(parts, together[0].ctx.device)
+        return tables
+
+    @classmethod
+    def prepare_all(cls, policies: list["WnW"], held: dict) -> bool:
+        """The batch's tables built ahead of a capture; True when every policy decides with them (or has no
+        decision to make), so that nothing is built at the captured step's first call."""
+        together = [p for p in policies if cls._joins(p)]
+        if together:
+            cls._swap_tables(together, held)
+        return all(cls._joins(p) or not p.has_anchors for p in policies)
+
     @classmethod
     def after_step_all(cls, policies: list["WnW"], steps: list, held: dict) -> None:
-        """A batch's `after_step`s: the policies deciding in one Triton launch on their own (on the device, with
-        the store's Triton kernels, lag 1) decide together in one launch (`triton_swap.ChunkSwapTables`, its
-        tables kept in `held` and rebuilt when a tensor in them changes: build them outside a graph capture), and
-        inside a capture queue their moves together in a second; eagerly each queues its own (the store's checks).
-        The others step on their own. Each policy's state, records and queued moves are what its own `after_step`
-        makes."""
-        joins = [p.has_anchors and p.on_device and p._fused_swap is not None and p.lag == 1
-                 and p.store.moves == "triton" for p in policies]
+        """A batch's `after_step`s: the policies deciding in one Triton launch on their own (`_joins`) decide
+        together in one launch and queue their moves together in a second (`triton_swap.ChunkSwapTables`, eagerly
+        as inside a capture: the moves a captured step queues, without the eager store's per-stream checks and
+        their host reads, several per stream, which made a batch's eager steps slow). The others step on their own. Each policy's state, records and
+        queued moves are what its own `after_step` makes."""
+        joins = [cls._joins(p) for p in policies]
         for p, i, j in zip(policies, steps, joins):
             if not j:
                 p.after_step(i)
         together = [(p, i) for p, i, j in zip(policies, steps, joins) if j]
         if not together:
             return
-        from wnw_exp.kv.packed import _capturing
-        from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
-
         cls._adjust_signals(together)
-        parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p, _ in together]
-        tables = held.get("swap_tables")
         try:
-            if tables is None or tables.key != ChunkSwapTables.key_of(parts):
-                tables = held["swap_tables"] = ChunkSwapTables(parts, together[0][0].ctx.device)
+            tables = cls._swap_tables([p for p, _ in together], held)
             tables.decide()
         except Exception as e:  # noqa: BLE001 - a kernel this GPU cannot compile (the first call is eager)
             warnings.warn(f"WnW: the one-launch chunk swap failed ({type(e).__name__}: {str(e)[:200]}); "
@@ -410,11 +430,7 @@ class WnW(Policy):
                 p._fused_swap = None
                 p._decide(i)  # its signal is adjusted already
             return
-        if _capturing():
-            tables.queue()
-        else:
-            for p, _ in together:
-                p._queue(p._fused_swap.recall, p._fused_swap.release)
+        tables.queue()
 
     def _move(self, segs: list[int], recall: bool) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the

@@ -409,8 +409,8 @@ class WnW(Policy):
         """A batch's `after_step`s: the policies deciding in one Triton launch on their own (`_joins`) decide
         together in one launch and queue their moves together in a second (`triton_swap.ChunkSwapTables`, eagerly
         as inside a capture: the moves a captured step queues, without the eager store's per-stream checks and
-        their host reads, several per stream, which made a batch's eager steps slow). The others step on their own. Each policy's state, records and
-        queued moves are what its own `after_step` makes."""
+        their host reads, several per stream, which made a batch's eager steps slow). The others step on their own.
+        Each policy's state, records and queued moves are what its own `after_step` makes."""
         joins = [cls._joins(p) for p in policies]
         for p, i, j in zip(policies, steps, joins):
             if not j:

@@ -22,12 +22,20 @@ if [ -n "${MICRO:-}" ]; then
   timeout 60 python3 benchmarks/copy_micro.py $MICRO --out $W/copy_micro.json > $W/copy_micro.log 2>&1
   grep -c copy_micro $W/copy_micro.log; echo "copy micro at $(( $(date +%s) - t0 )) s"
 fi
-timeout "${PROFILE_S:-90}" python3 benchmarks/serving.py --gpu --profile "${PROFILE:-wnw:33:3000:graph}" --out $W/profile.json \
-  > $W/profile.log 2>&1
-python3 -c "import json;[print(r['method'],r['streams'],round(r['step_ms_wall_p50'],2),r['device_us_per_step'],[(t['kernel'][:28],t['us_per_step']) for t in r['top'][:6]]) for r in json.load(open('$W/profile.json')) if r.get('kind')=='profile']" 2>&1 | tail -4
-echo "profile at $(( $(date +%s) - t0 )) s"
+if [ -n "${PROFILE-wnw:33:3000:graph}" ]; then  # PROFILE= (empty): no profile
+  timeout "${PROFILE_S:-90}" python3 benchmarks/serving.py --gpu --profile "${PROFILE:-wnw:33:3000:graph}" \
+    --out $W/profile.json > $W/profile.log 2>&1
+  python3 -c "import json;[print(r['method'],r['streams'],round(r['step_ms_wall_p50'],2),r['device_us_per_step'],[(t['kernel'][:28],t['us_per_step']) for t in r['top'][:6]]) for r in json.load(open('$W/profile.json')) if r.get('kind')=='profile']" 2>&1 | tail -4
+  echo "profile at $(( $(date +%s) - t0 )) s"
+fi
 left=$(( ${LIMIT_S:-585} - ($(date +%s) - t0) ))
 timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - ${SERVING_MARGIN_S:-110} )) --methods "" \
   --graph-methods "${SERVING_GRAPH:-full,wnw,adakv,arkvale,wnw_recall_off}" --lengths "${LENGTHS:-4,10}" \
   --out $W/serving.json > $W/serving.log 2>&1
-grep '"kind": "throughput"' $W/serving.log | cut -c1-240; echo "serving at $(( $(date +%s) - t0 )) s"
+python3 scripts/gpu/serving_summary.py $W/serving.json | cut -c1-400; echo "serving at $(( $(date +%s) - t0 )) s"
+if [ -n "${AB_GRAPH:-}" ]; then  # the same rows without the prepared captures (WNW_PREPARED_CAPTURE=0), the anchor
+  left=$(( ${LIMIT_S:-585} - ($(date +%s) - t0) ))
+  WNW_PREPARED_CAPTURE=0 timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - ${AB_MARGIN_S:-60} )) \
+    --methods "" --graph-methods "$AB_GRAPH" --lengths "${AB_LENGTHS:-4}" --out $W/serving-ab.json > $W/serving-ab.log 2>&1
+  python3 scripts/gpu/serving_summary.py $W/serving-ab.json | cut -c1-400; echo "a/b at $(( $(date +%s) - t0 )) s"
+fi

@@ -255,8 +255,8 @@ class TokenRunner:
 
     fallbacks = 0  # captures that failed after a prepared start (then warmed up as usual), process-wide
 
-    def __init__(self, step, dev: torch.device, side, prepared: bool = False):
-        self.step, self.dev, self.side = step, dev, side
+    def __init__(self, step, dev: torch.device, side, prepared: bool = False, pool=None):
+        self.step, self.dev, self.side, self.pool = step, dev, side, pool
         self.graph: CapturedStep | None = None
         self.warm = None
         self.n = 0  # tokens run
@@ -276,7 +276,7 @@ class TokenRunner:
         if self.warm is not None:
             torch.cuda.current_stream(self.dev).wait_stream(self.warm)
         try:
-            self.graph = CapturedStep(lambda: self._token(None, after))
+            self.graph = CapturedStep(lambda: self._token(None, after), self.pool)
         except Exception as e:  # noqa: BLE001 - only a prepared start may fail here: it then warms up
             if self.n >= WARM_STEPS:
                 raise
@@ -440,7 +440,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     batched: dict = {}  # the fused path's step for the current composition (and its graph)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
-    warmed: set = set()  # batch sizes captured in a CUDA graph so far: their kernels are compiled
+    graphs: dict = dict(warmed=set(), pool=None)  # batch sizes captured so far (their kernels compiled), the pool
     while True:
         if admitting is None and (queue or not exhausted) and len(active) < limit:
             req = queue.popleft() if queue else next(pending, None)
@@ -501,7 +501,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         t0 = time.perf_counter()
         replayed = getattr(batched.get("runner"), "graph", None) is not None
         try:
-            tokens, logits = _step_all(backbone, active, batched, side, keep_logits, warmed)
+            tokens, logits = _step_all(backbone, active, batched, side, keep_logits, graphs)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
             for st in active:
                 _leave(st)
@@ -623,9 +623,10 @@ def _leave(st: Stream) -> None:
 
 
 def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, keep_logits: bool,
-              warmed: set) -> tuple[list[int], list | None]:
-    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits. `warmed`:
-    the batch sizes whose composition was captured before (updated here)."""
+              graphs: dict) -> tuple[list[int], list | None]:
+    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits. `graphs`:
+    what the batch's successive compositions share ("warmed": the batch sizes captured so far, updated here;
+    "pool": the memory pool of their CUDA graphs, one replayed at a time)."""
     if active[0].step is not None:  # each stream on its own step (reference path, or no pool): failures its own
         tokens = []
         for st in active:
@@ -648,8 +649,10 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, kee
         step = BatchedFusedStep(backbone, active, active[0].path.kernels)
         # a batch size captured before: its kernels are compiled, so with the tables built ahead the first step
         # of this composition is its capture (no eager warm-up step: on the H200 one costs 30-80 ms at 33 streams)
-        prepared = PREPARED_CAPTURE and graph and len(active) in warmed and _prepare(active, batched)
-        batched["runner"] = TokenRunner(step, backbone.device, side, prepared=prepared)
+        prepared = PREPARED_CAPTURE and graph and len(active) in graphs["warmed"] and _prepare(active, batched)
+        if graph and graphs.get("pool") is None:
+            graphs["pool"] = torch.cuda.graph_pool_handle()
+        batched["runner"] = TokenRunner(step, backbone.device, side, prepared=prepared, pool=graphs.get("pool"))
         batched["build_ms"] = (time.perf_counter() - t0) * 1e3  # host time, read by decode_batch's stats
     runner = batched["runner"]
     step = runner.step
@@ -670,7 +673,7 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, kee
 
     runner(0, after_all, graph=graph)
     if runner.graph is not None:
-        warmed.add(len(active))
+        graphs["warmed"].add(len(active))
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
 
 

@@ -278,11 +278,12 @@ class WnW(Policy):
         H, g = self.ctx.n_kv_heads, self.ctx.group
         per_head = post.float().sum(dim=1).view(H, g, -1).sum(dim=1)  # (H_kv, n_audio)
         n_a = per_head.shape[-1]
+        plan = self._placement(n_a)
         if self.swap_start == "prefill" and self.anchor_q.get(layer):
             # the anchors' attention of the prompt's last row (it emits the first answer token), Eq. (2)
             last = scores.last_window[:, -1] if scores.last_window is not None else post[:, -1]
-            self.scores_acc += last[self.anchor_q[layer]].float().sum(dim=0)
-        plan = self._placement(n_a)
+            a0, a1 = plan["anchor_at"][layer], plan["anchor_at"][layer + 1]
+            self.scores_acc += last.index_select(0, plan["anchor_q"][a0:a1]).float().sum(dim=0)
         if not plan["placed_host"][layer].any():
             return
         keep = triage.select_masks(per_head, plan["quotas"][layer], plan["block"])  # (H_kv, n_audio)
@@ -294,22 +295,27 @@ class WnW(Policy):
 
     def _placement(self, n_a: int) -> dict:
         """What `place` needs for every layer, made once per sample: each (layer, KV head)'s per-block quotas
-        (`triage.block_quotas`), which heads are placed (non-anchor, retention < 1) and which of those are tidal, on
-        the device in one copy (from pinned memory, asynchronous, on CUDA); each layer's placed tidal heads on the
-        host."""
+        (`triage.block_quotas`), which heads are placed (non-anchor, retention < 1) and which of those are tidal, and
+        every layer's anchor query heads (`anchor_q[anchor_at[l]:anchor_at[l + 1]]`), on the device (copied from
+        pinned memory on CUDA: no host read); each layer's placed tidal heads on the host."""
         if self._plan is None or self._plan["n_audio"] != n_a:
             quotas, block = triage.block_quotas(self.retention, n_a, self.n_s, self.selection, self.quota)
             placed = (self.roles != triage.ANCHOR) & (self.retention < 1.0)
             tidal = placed & (self.roles == triage.TIDAL)
-            table = torch.from_numpy(np.concatenate([quotas, placed[..., None], tidal[..., None]], axis=-1))
-            dev = torch.device(self.ctx.device)
-            if dev.type == "cuda":
-                table = table.pin_memory()
-            table = table.to(dev, non_blocking=True)
+            table = self._to_device(np.concatenate([quotas, placed[..., None], tidal[..., None]], axis=-1))
+            layers = range(self.ctx.n_layers)
+            anchor_q = np.array([q for li in layers for q in self.anchor_q[li]], np.int64)
             self._plan = dict(n_audio=n_a, block=block, quotas=table[..., :-2], placed=table[..., -2] > 0,
                               tidal=table[..., -1] > 0, placed_host=placed,
-                              tidal_heads=[np.flatnonzero(t).tolist() for t in tidal])
+                              tidal_heads=[np.flatnonzero(t).tolist() for t in tidal],
+                              anchor_q=self._to_device(anchor_q),
+                              anchor_at=np.cumsum([0] + [len(self.anchor_q[li]) for li in layers]).tolist())
         return self._plan
+
+    def _to_device(self, x: np.ndarray) -> torch.Tensor:
+        """A host array on the sample's device; on CUDA copied from pinned memory, asynchronously (no host read)."""
+        t, dev = torch.from_numpy(np.ascontiguousarray(x)), torch.device(self.ctx.device)
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
     @property
     def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:

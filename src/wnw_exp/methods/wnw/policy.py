@@ -315,7 +315,7 @@ class WnW(Policy):
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         """A host array on the sample's device; on CUDA copied from pinned memory, asynchronously (no host read)."""
         t, dev = torch.from_numpy(np.ascontiguousarray(x)), torch.device(self.ctx.device)
-        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" and t.numel() else t.to(dev)
 
     @property
     def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:

@@ -371,7 +371,8 @@ def block_quotas(ret: np.ndarray, n_audio: int, n_s: int, selection: str = "segm
         kept = np.floor(ret * bounds[:, 1] + _EPS) - np.floor(ret * bounds[:, 0] + _EPS)
     elif selection == "global":  # kept_per_head: floor(ret * n_s) per full segment, floor(ret * rest) for the rest
         full, rest = divmod(n_audio, n_s)
-        kept = full * np.floor(ret * n_s + _EPS) + np.floor(ret * rest + _EPS) + 0 * length
+        total = full * np.floor(ret * n_s + _EPS) + np.floor(ret * rest + _EPS)
+        kept = np.broadcast_to(total, ret.shape[:-1] + length.shape)
     else:
         kept = np.floor(ret * length + _EPS)
     return np.where(ret >= 1.0, length, kept).astype(np.int64), block

@@ -46,6 +46,11 @@ class KVStore(Protocol):
     def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
         """After prefill: keep `gpu` on the device, give `cpu` a host copy, drop the rest (overlap = a mirror)."""
 
+    def set_tiers_block(self, row0: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None,
+                        select: torch.Tensor | None = None) -> None:
+        """`set_tiers` of the consecutive rows row0 .. row0 + m - 1 at once: `gpu` and `cpu` (m, n_audio) bool masks
+        (`cpu` may be None), `select` (m,) bool (None: every row) the rows to set."""
+
     def compact(self, headroom: int | np.ndarray = 0) -> None:
         """After every layer's `set_tiers`: free what was dropped, keeping `headroom` rows per head for recalls."""
 
@@ -74,6 +79,21 @@ class KVStore(Protocol):
 
     def summary(self) -> dict:
         """r_GPU, r_GPU+CPU (mean over decode steps and at the end), MB/step, physical bytes held."""
+
+
+class TiersPerHead:
+    """`set_tiers_block` as one `set_tiers` per selected row, in row order, for a store whose tiers are set one head at
+    a time anyway (the reference). The masks are read on the host."""
+
+    def set_tiers_block(self, row0: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None,
+                        select: torch.Tensor | None = None) -> None:
+        gpu = gpu.detach().cpu().bool()
+        cpu = None if cpu is None else cpu.detach().cpu().bool()
+        rows = range(gpu.shape[0]) if select is None else np.flatnonzero(np.asarray(select.detach().cpu(), bool))
+        for i in rows:
+            r = row0 + int(i)
+            self.set_tiers(r // self.n_kv_heads, r % self.n_kv_heads, gpu[i].nonzero().flatten(),
+                           None if cpu is None else cpu[i].nonzero().flatten())
 
 
 def flat_pairs(rows, positions, select=None) -> tuple[np.ndarray, np.ndarray]:

@@ -154,28 +154,59 @@ class PackedAudioKVStore(StepAccounting):
         self.host_v[layer * H:(layer + 1) * H].copy_(v[:, s:e], non_blocking=True)
 
     def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
-        """Keep `gpu` positions resident, make `cpu` recallable, drop the rest (as the reference)."""
-        r = layer * self.n_kv_heads + head
-        gpu = torch.sort(torch.as_tensor(gpu, device=self.device).long()).values
-        if not bool((self.slot_of[r, gpu] >= 0).all()):
-            raise ValueError("set_tiers: a position to keep is not GPU-resident")
-        on_host = torch.zeros(self.n_audio, dtype=torch.bool, device=self.device)
+        """Keep `gpu` positions resident, make `cpu` recallable, drop the rest (as the reference): `set_tiers_block`
+        of one row."""
+        dev = self.device
+        keep = torch.zeros(1, self.n_audio, dtype=torch.bool, device=dev)
+        keep[0, torch.as_tensor(gpu, device=dev).long()] = True
+        host = None
         if cpu is not None and len(cpu):
-            cpu = torch.as_tensor(cpu, device=self.device).long()
-            if not bool((self.slot_of[r, cpu] >= 0).all()):
-                raise ValueError("set_tiers: a position to offload is not GPU-resident")
-            on_host[cpu] = True  # may overlap `gpu`: a host mirror of resident positions (ArkVale)
-        b, n = int(self.base[r]), len(gpu)
-        src = b + self.slot_of[r, gpu].long()
-        self.audio_k[b: b + n] = self.audio_k[src]  # the right side is gathered first: no overlap hazard
-        self.audio_v[b: b + n] = self.audio_v[src]
-        self.audio_pos[b: b + int(self.caps[r])] = -1
-        self.audio_pos[b: b + n] = gpu.int()
-        self.slot_of[r] = -1
-        self.slot_of[r, gpu] = torch.arange(n, device=self.device, dtype=torch.int32)
-        self.on_host[r] = on_host
-        self.n_resident[r] = n
-        self.audio_len[layer, head] = n
+            host = torch.zeros_like(keep)
+            host[0, torch.as_tensor(cpu, device=dev).long()] = True
+        self.set_tiers_block(self.row(layer, head), keep, host)
+
+    def set_tiers_block(self, row0: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None,
+                        select: torch.Tensor | None = None) -> None:
+        """`set_tiers` of the consecutive rows row0 .. row0 + m - 1 at once (a layer's heads: row0 = layer * H_kv).
+
+        `gpu` (m, n_audio) bool: the positions each row keeps resident; `cpu` (m, n_audio) bool or None: those that
+        get a host copy (may overlap `gpu`: a mirror); `select` (m,) bool or None (all): the rows to set, the others
+        are left as they are. Each row's kept positions go to its first slots in ascending order, its other slots are
+        freed, exactly as one `set_tiers` per row. Fixed-shape device work over the rows' slots and one host read,
+        the residency check, made before anything changes (a ValueError then changes nothing)."""
+        dev, m = self.device, gpu.shape[0]
+        rows = slice(row0, row0 + m)
+        sel = torch.ones(m, dtype=torch.bool, device=dev) if select is None else select.to(dev, torch.bool)
+        keep = gpu.to(dev, torch.bool) & sel[:, None]
+        host = torch.zeros_like(keep) if cpu is None else cpu.to(dev, torch.bool) & sel[:, None]
+        old_slot = self.slot_of[rows]
+        resident = old_slot >= 0
+        bad_keep, bad_host = torch.stack([(keep & ~resident).any(), (host & ~resident).any()]).tolist()  # one read
+        if bad_keep:
+            raise ValueError("set_tiers: a position to keep is not GPU-resident")
+        if bad_host:
+            raise ValueError("set_tiers: a position to offload is not GPU-resident")
+        n = keep.sum(dim=1)  # (m,) the new resident counts
+        new_slot = torch.where(keep, keep.cumsum(dim=1) - 1, -1).int()
+        by_slot = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # row i's j-th kept position, j < n_i
+        # Every slot of the rows' regions [base[row0], base[row0 + m]): its row i and its index j in that row.
+        s0, s1 = int(self.base[row0]), int(self.base[row0 + m])
+        offsets, caps = self._offsets[rows].long(), self._caps[rows].long()
+        slot = torch.arange(s0, s1, device=dev)
+        i = torch.repeat_interleave(torch.arange(m, device=dev), caps, output_size=s1 - s0)
+        j = slot - offsets[i]
+        pos = by_slot[i, j]  # the position slot j of row i will hold (j < cap_i <= n_audio)
+        filled = j < n[i]
+        moved = sel[i] & filled
+        src = torch.where(moved, offsets[i] + old_slot[i, pos].long(), slot)
+        self.audio_k[s0:s1] = self.audio_k[src]  # the right side is gathered first: no overlap hazard
+        self.audio_v[s0:s1] = self.audio_v[src]
+        self.audio_pos[s0:s1] = torch.where(sel[i], torch.where(filled, pos, -1), self.audio_pos[s0:s1]).int()
+        self.slot_of[rows] = torch.where(sel[:, None], new_slot, old_slot)
+        self.on_host[rows] = torch.where(sel[:, None], host, self.on_host[rows])
+        self.n_resident[rows] = torch.where(sel, n, self.n_resident[rows])
+        audio_len = self.audio_len.view(-1)
+        audio_len[rows] = torch.where(sel, n.int(), audio_len[rows])
         self._union = None
         self._blocks = None
 

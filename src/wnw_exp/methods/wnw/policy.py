@@ -35,7 +35,9 @@ Prefill (`place`): every non-anchor KV head ranks audio positions by the text-to
 summed over the prompt tokens after the audio and over its GQA group's query heads, and keeps the top
 floor(retention * n_s) of each n_s-token segment (`selection: segment`) or one global top-k of the same
 total (`selection: global`, ablation A2). Tidal heads move the rest to the CPU tier, fixed heads drop
-it, anchors keep everything.
+it, anchors keep everything. A layer's heads are placed together: one stable sort selects for all of them
+(`triage.select_masks`, the per-head `triage.select_positions` is its specification) and one store call sets
+their tiers (`set_tiers_block`), so a layer costs a few launches and one host read (the store's check).
 
 `head_scale: flat` replaces s~ by 1 for every non-anchor head (Eq. 1 without the importance), so a fixed
 `lam` is every non-anchor head's share: `n_anchor = n_voice`, `head_scale: flat`, `lam: 0.05` keeps the voice
@@ -204,7 +206,9 @@ class WnW(Policy):
         self.tidal = [(int(li), int(k)) for li, k in zip(*np.nonzero(self.roles == triage.TIDAL))]
         self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta)
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
-        self.offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
+        self._offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
+        self._unread: list[tuple[int, list[int], torch.Tensor]] = []  # placed layers whose masks `offloaded` reads
+        self._plan: dict | None = None  # what `place` needs, made at its first call (`_placement`)
         self._host_index: tuple[np.ndarray, np.ndarray] | None = None  # built at the first chunk swap
         self._held: tuple = ([], [])  # lag 2: the decision waiting one step
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
@@ -266,25 +270,64 @@ class WnW(Policy):
         return self.anchor_q.get(layer, [])
 
     def place(self, layer: int, scores: PrefillScores) -> None:
+        """Prefill selection of one layer: every placed head (non-anchor, retention < 1) at once, one mask per head from
+        one stable sort (`triage.select_masks`), set in one store call (`set_tiers_block`: tidal heads offload the
+        rest, fixed heads drop it). No host read here but the store's residency check; the tidal heads' host-tier
+        positions are read back when `offloaded` is first read after it."""
         post = scores.post_audio  # (H_q, n_post, n_audio)
         H, g = self.ctx.n_kv_heads, self.ctx.group
         per_head = post.float().sum(dim=1).view(H, g, -1).sum(dim=1)  # (H_kv, n_audio)
         n_a = per_head.shape[-1]
+        plan = self._placement(n_a)
         if self.swap_start == "prefill" and self.anchor_q.get(layer):
             # the anchors' attention of the prompt's last row (it emits the first answer token), Eq. (2)
             last = scores.last_window[:, -1] if scores.last_window is not None else post[:, -1]
-            self.scores_acc += last[self.anchor_q[layer]].float().sum(dim=0)
-        for k in range(H):
-            role = self.roles[layer, k]
-            if role == triage.ANCHOR or self.retention[layer, k] >= 1.0:
-                continue
-            keep = triage.select_positions(per_head[k], float(self.retention[layer, k]), self.n_s, self.selection,
-                                           self.quota)
-            if role == triage.TIDAL:
-                self.offloaded[(layer, k)] = torch.sort(triage.complement(keep, n_a).cpu()).values
-                self.store.set_tiers(layer, k, keep, self.offloaded[(layer, k)])
-            else:
-                self.store.set_tiers(layer, k, keep)
+            a0, a1 = plan["anchor_at"][layer], plan["anchor_at"][layer + 1]
+            self.scores_acc += last.index_select(0, plan["anchor_q"][a0:a1]).float().sum(dim=0)
+        if not plan["placed_host"][layer].any():
+            return
+        keep = triage.select_masks(per_head, plan["quotas"][layer], plan["block"])  # (H_kv, n_audio)
+        tidal_heads = plan["tidal_heads"][layer]
+        offload = ~keep & plan["tidal"][layer][:, None] if tidal_heads else None
+        self.store.set_tiers_block(layer * H, keep, offload, select=plan["placed"][layer])
+        if tidal_heads:
+            self._unread.append((layer, tidal_heads, keep))
+
+    def _placement(self, n_a: int) -> dict:
+        """What `place` needs for every layer, made once per sample: each (layer, KV head)'s per-block quotas
+        (`triage.block_quotas`), which heads are placed (non-anchor, retention < 1) and which of those are tidal, and
+        every layer's anchor query heads (`anchor_q[anchor_at[l]:anchor_at[l + 1]]`), on the device (copied from
+        pinned memory on CUDA: no host read); each layer's placed tidal heads on the host."""
+        if self._plan is None or self._plan["n_audio"] != n_a:
+            quotas, block = triage.block_quotas(self.retention, n_a, self.n_s, self.selection, self.quota)
+            placed = (self.roles != triage.ANCHOR) & (self.retention < 1.0)
+            tidal = placed & (self.roles == triage.TIDAL)
+            table = self._to_device(np.concatenate([quotas, placed[..., None], tidal[..., None]], axis=-1))
+            layers = range(self.ctx.n_layers)
+            anchor_q = np.array([q for li in layers for q in self.anchor_q[li]], np.int64)
+            self._plan = dict(n_audio=n_a, block=block, quotas=table[..., :-2], placed=table[..., -2] > 0,
+                              tidal=table[..., -1] > 0, placed_host=placed,
+                              tidal_heads=[np.flatnonzero(t).tolist() for t in tidal],
+                              anchor_q=self._to_device(anchor_q),
+                              anchor_at=np.cumsum([0] + [len(self.anchor_q[li]) for li in layers]).tolist())
+        return self._plan
+
+    def _to_device(self, x: np.ndarray) -> torch.Tensor:
+        """A host array on the sample's device; on CUDA copied from pinned memory, asynchronously (no host read)."""
+        t, dev = torch.from_numpy(np.ascontiguousarray(x)), torch.device(self.ctx.device)
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" and t.numel() else t.to(dev)
+
+    @property
+    def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Tidal head (layer, KV head) -> its host-tier positions, a sorted CPU long tensor, in placement order. The
+        masks of the layers placed since the last read are read from the device here, in one copy."""
+        if self._unread:
+            masks = torch.stack([keep for _, _, keep in self._unread]).cpu()
+            for (layer, heads, _), keep in zip(self._unread, masks):
+                for k in heads:
+                    self._offloaded[(layer, k)] = (~keep[k]).nonzero().flatten()
+            self._unread = []
+        return self._offloaded
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         self.scores_acc += probs.sum(dim=0)

@@ -22,6 +22,8 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
   total (ablation A2). `quota="spread"` keeps the same fractional budget but hands the remainders out
   over the segments (segment [a, b) keeps floor(ret * b) - floor(ret * a)), so a head with
   retention < 1 / n_s still keeps floor(ret * n_audio) positions instead of none.
+- `block_quotas` / `select_masks`: the same selection for many heads at once (WnW's prefill places a layer's heads
+  in one go): the per-block counts of every head on the host, the masks on the device from one stable sort.
 - `segment_bounds` / `chunk_bounds`: the segment and chunk grid of §2.3.
 - `ChunkSwap`: the decode-time chunk selection and segment state machine on host arrays (the specification);
   `DeviceChunkSwap` the same on device tensors, updated in place, so that a CUDA graph can hold it.
@@ -344,6 +346,55 @@ def select_positions(scores: torch.Tensor, ret: float, n_s: int, selection: str 
     if not parts:
         return torch.zeros(0, dtype=torch.long, device=scores.device)
     return torch.sort(torch.cat(parts)).values
+
+
+def block_quotas(ret: np.ndarray, n_audio: int, n_s: int, selection: str = "segment",
+                 quota: str = "floor") -> tuple[np.ndarray, int]:
+    """What `select_positions` keeps of each block of a head's audio, for every head at once: (quotas, block).
+
+    `ret` has any shape (e.g. (L, H_kv)); quotas has that shape plus one axis of ceil(n_audio / block) blocks.
+    `selection="segment"`: blocks of n_s tokens with their `segment_quotas`; `"global"`: one block of all the
+    audio with `kept_per_head`. A head with ret >= 1 keeps its whole blocks. The same float64 arithmetic as the
+    per-head functions, so the same counts.
+    """
+    if selection not in SELECTIONS:
+        raise ValueError(f"unknown selection {selection!r}; choose one of {', '.join(SELECTIONS)}")
+    if quota not in QUOTAS:
+        raise ValueError(f"unknown quota {quota!r}; choose one of {', '.join(QUOTAS)}")
+    ret = np.asarray(ret, np.float64)[..., None]
+    if selection == "global":
+        block, bounds = n_audio, np.array([[0, n_audio]] if n_audio else [], np.int64).reshape(-1, 2)
+    else:
+        block, bounds = n_s, np.array(segment_bounds(n_audio, n_s), np.int64).reshape(-1, 2)
+    length = bounds[:, 1] - bounds[:, 0]
+    if quota == "spread":
+        kept = np.floor(ret * bounds[:, 1] + _EPS) - np.floor(ret * bounds[:, 0] + _EPS)
+    elif selection == "global":  # kept_per_head: floor(ret * n_s) per full segment, floor(ret * rest) for the rest
+        full, rest = divmod(n_audio, n_s)
+        total = full * np.floor(ret * n_s + _EPS) + np.floor(ret * rest + _EPS)
+        kept = np.broadcast_to(total, ret.shape[:-1] + length.shape)
+    else:
+        kept = np.floor(ret * length + _EPS)
+    return np.where(ret >= 1.0, length, kept).astype(np.int64), block
+
+
+def select_masks(scores: torch.Tensor, quotas: torch.Tensor, block: int) -> torch.Tensor:
+    """`select_positions` of several heads at once, as a mask: (H, n) bool, True at the positions each head keeps.
+
+    scores (H, n); quotas (H, ceil(n / block)) long on the scores' device (`block_quotas`): within each block of
+    `block` positions a head keeps its quota of top positions by score, ties to the earlier position (one stable
+    sort of every block of every head). Fixed shapes throughout: no host read.
+    """
+    H, n = scores.shape
+    if n == 0:
+        return torch.zeros(H, 0, dtype=torch.bool, device=scores.device)
+    scores = scores.float()
+    pad = (-n) % block  # the last block's missing tail ranks after every real position (stable sort)
+    x = torch.cat([scores, scores.new_full((H, pad), float("-inf"))], dim=1).view(H, -1, block)
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    top = torch.arange(block, device=scores.device) < quotas[..., None]  # the first quota of each block's order
+    keep = torch.zeros_like(top).scatter_(-1, order, top)
+    return keep.view(H, -1)[:, :n]
 
 
 def _select_by_quota(scores: torch.Tensor, quotas: np.ndarray, n_s: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $W/gpu.lo
 t0=$(date +%s)
 pack() { tar -czf "$OUTD/serving-session.tar.gz" -C $W . ; cp $W/*.json "$OUTD/" 2>/dev/null; }
 trap pack EXIT
-timeout "${TEST_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_wnw.py tests/test_fused_decode.py \
-  tests/test_batch.py -k "${TEST_K:-not smoke and (cuda or bf16 or kernel or triton or graph or batched or flush)}" \
+timeout "${TEST_S:-90}" python3 -m pytest -q -p no:cacheprovider ${TEST_FILES:-tests/test_wnw.py tests/test_fused_decode.py \
+  tests/test_batch.py} -k "${TEST_K:-not smoke and (cuda or bf16 or kernel or triton or graph or batched or flush)}" \
   > $W/pytest.log 2>&1
 tail -3 $W/pytest.log; echo "tests at $(( $(date +%s) - t0 )) s"
 if [ -n "${MICRO:-}" ]; then

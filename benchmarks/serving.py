@@ -79,11 +79,10 @@ def lengths(n: int, mean: int, seed: int = 0) -> list[int]:
 
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None) -> dict:
-    from wnw_exp.engine.decode import BatchStats, Request, TokenRunner, decode_batch
+    from wnw_exp.engine.decode import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
     r = 1.0 if method == "full" else retention
-    fallbacks0 = TokenRunner.fallbacks
     template = policy_for(method, info, scores, prompt.n_audio, max(caps))
     template.check(r)
     pool = KVPool.of_bytes(budget_gb * 1e9, bb.head_dim, bb.dtype, bb.device)
@@ -126,7 +125,6 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 prefill_chunk_layers=chunk_layers, pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
                 pool_capacity_gb=pool.capacity_bytes / 1e9, refused=len(stats.refused),
                 preempted=len(stats.preempted), expected_new_tokens=expected,
-                capture_fallbacks=TokenRunner.fallbacks - fallbacks0,
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
                 path={k: v for k, v in path.items()})
 
@@ -319,7 +317,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() and not a.smoke else "cpu (smoke)",
                 command=" ".join(["benchmarks/serving.py", *(sys.argv[1:] if argv is None else argv)]),
                 torch=torch.__version__, transformers=transformers.__version__,
-                engine=dict(warm_steps=engine_decode.WARM_STEPS, prepared_capture=engine_decode.PREPARED_CAPTURE))
+                engine=dict(warm_steps=engine_decode.WARM_STEPS))
     model = ds.build_model(model_name)
     info = ds.backbone_info(model_name, model.config)
     tmp = (out.parent if out is not None else Path("/tmp")) / "serving_tmp"

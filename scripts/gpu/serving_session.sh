@@ -33,9 +33,3 @@ timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - ${SERV
   --graph-methods "${SERVING_GRAPH:-full,wnw,adakv,arkvale,wnw_recall_off}" --lengths "${LENGTHS:-4,10}" \
   --out $W/serving.json > $W/serving.log 2>&1
 python3 scripts/gpu/serving_summary.py $W/serving.json | cut -c1-400; echo "serving at $(( $(date +%s) - t0 )) s"
-if [ -n "${AB_GRAPH:-}" ]; then  # the same rows without the prepared captures (WNW_PREPARED_CAPTURE=0), the anchor
-  left=$(( ${LIMIT_S:-585} - ($(date +%s) - t0) ))
-  WNW_PREPARED_CAPTURE=0 timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - ${AB_MARGIN_S:-60} )) \
-    --methods "" --graph-methods "$AB_GRAPH" --lengths "${AB_LENGTHS:-4}" --out $W/serving-ab.json > $W/serving-ab.log 2>&1
-  python3 scripts/gpu/serving_summary.py $W/serving-ab.json | cut -c1-400; echo "a/b at $(( $(date +%s) - t0 )) s"
-fi

@@ -32,4 +32,4 @@ for path in sys.argv[1:]:
               f"x{r['tokens_per_s_at_peak'] / f_peak:.3f}", f"whole {r['tokens_per_s']:.0f}",
               f"x{r['tokens_per_s'] / f_whole:.3f}", f"p50 {r['step_ms_p50_at_peak']:.3f}",
               f"lat p50/p95 {r['p50_ms']:.2f}/{r['p95_ms']:.1f}", f"prefill {r['prefill_ms_mean']:.0f}", kinds,
-              f"fallbacks {r.get('capture_fallbacks')}", r.get("engine"))
+              r.get("engine"))

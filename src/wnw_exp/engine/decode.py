@@ -11,7 +11,6 @@ import importlib.util
 import math
 import os
 import time
-import warnings
 from collections import deque
 from contextlib import nullcontext
 from collections.abc import Callable, Iterable, Iterator
@@ -97,9 +96,6 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 # that must not be built inside a capture (one is enough: the CUDA tests pass with it, and a batch of 33 streams'
 # eager steps cost 50-80 ms each on the H200, docs/gpu.md); WNW_WARM_STEPS overrides it, for measurements
 WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
-# a batch composition whose size was captured before skips them (`TokenRunner`'s `prepared`); WNW_PREPARED_CAPTURE=0
-# turns that off, for measurements
-PREPARED_CAPTURE = os.environ.get("WNW_PREPARED_CAPTURE", "1") != "0"
 
 
 class Stream:
@@ -249,18 +245,13 @@ class TokenRunner:
     methods' decisions and the stores' moves (`after(i)`) on the side stream `side` while the final norm and the LM
     head run, then the head. With `graph`, PyTorch's capture recipe: the first WARM_STEPS tokens run eagerly on a
     warm-up stream, then the whole token (`after(None)`: the step index stays on the device) is captured in one CUDA
-    graph and replayed. `prepared`: the warm-up's work is done already (the kernels compiled by an earlier step of
-    the same shapes, the tables built ahead: `_prepare`), so the first token is the capture; if that capture fails
-    all the same, the token runs the warm-up path instead (`fallbacks` counts it) and the capture comes after."""
+    graph and replayed."""
 
-    fallbacks = 0  # captures that failed after a prepared start (then warmed up as usual), process-wide
-
-    def __init__(self, step, dev: torch.device, side, prepared: bool = False, pool=None):
-        self.step, self.dev, self.side, self.pool = step, dev, side, pool
+    def __init__(self, step, dev: torch.device, side):
+        self.step, self.dev, self.side = step, dev, side
         self.graph: CapturedStep | None = None
         self.warm = None
         self.n = 0  # tokens run
-        self.prepared = prepared
 
     def _token(self, i: int | None, after) -> None:
         self.step.body()
@@ -272,27 +263,14 @@ class TokenRunner:
         if self.side is not None:
             torch.cuda.current_stream(self.dev).wait_stream(self.side)
 
-    def _capture(self, after) -> bool:
-        if self.warm is not None:
-            torch.cuda.current_stream(self.dev).wait_stream(self.warm)
-        try:
-            self.graph = CapturedStep(lambda: self._token(None, after), self.pool)
-        except Exception as e:  # noqa: BLE001 - only a prepared start may fail here: it then warms up
-            if self.n >= WARM_STEPS:
-                raise
-            TokenRunner.fallbacks += 1
-            warnings.warn(f"a prepared CUDA graph capture failed ({type(e).__name__}: {str(e)[:160]}); "
-                          "warming up eagerly first", stacklevel=3)
-            self.prepared = False
-            return False
-        self.graph()
-        return True
-
     def __call__(self, i: int, after, graph: bool) -> None:
         if self.graph is not None:
             self.graph()
-        elif graph and (self.n >= WARM_STEPS or self.prepared) and self._capture(after):
-            pass
+        elif graph and self.n >= WARM_STEPS:
+            if self.warm is not None:
+                torch.cuda.current_stream(self.dev).wait_stream(self.warm)
+            self.graph = CapturedStep(lambda: self._token(None, after))
+            self.graph()
         elif graph:
             self.warm = self.warm or torch.cuda.Stream(self.dev)
             self.warm.wait_stream(torch.cuda.current_stream(self.dev))
@@ -424,8 +402,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
     `generate`: the same arithmetic, byte for byte); on the fused path with a pool one `BatchedFusedStep` steps
     every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions),
-    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps, or at
-    its first step when a composition of the same size was captured before (`_prepare`).
+    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps.
     """
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
@@ -440,7 +417,6 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     batched: dict = {}  # the fused path's step for the current composition (and its graph)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
-    graphs: dict = dict(warmed=set(), pool=None)  # batch sizes captured so far (their kernels compiled), the pool
     while True:
         if admitting is None and (queue or not exhausted) and len(active) < limit:
             req = queue.popleft() if queue else next(pending, None)
@@ -501,7 +477,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         t0 = time.perf_counter()
         replayed = getattr(batched.get("runner"), "graph", None) is not None
         try:
-            tokens, logits = _step_all(backbone, active, batched, side, keep_logits, graphs)
+            tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
             for st in active:
                 _leave(st)
@@ -622,11 +598,9 @@ def _leave(st: Stream) -> None:
         release()
 
 
-def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, keep_logits: bool,
-              graphs: dict) -> tuple[list[int], list | None]:
-    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits. `graphs`:
-    what the batch's successive compositions share ("warmed": the batch sizes captured so far, updated here;
-    "pool": the memory pool of their CUDA graphs, one replayed at a time)."""
+def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
+              keep_logits: bool) -> tuple[list[int], list | None]:
+    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits."""
     if active[0].step is not None:  # each stream on its own step (reference path, or no pool): failures its own
         tokens = []
         for st in active:
@@ -643,16 +617,10 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, kee
             except Exception as e:  # noqa: BLE001
                 tokens.append(e)
         return tokens, [st.step.logits for st in active] if keep_logits else None
-    graph = all(st.path.graph and st.store.graph_safe for st in active)
     if "runner" not in batched:
         t0 = time.perf_counter()
-        step = BatchedFusedStep(backbone, active, active[0].path.kernels)
-        # a batch size captured before: its kernels are compiled, so with the tables built ahead the first step
-        # of this composition is its capture (no eager warm-up step: on the H200 one costs 30-80 ms at 33 streams)
-        prepared = PREPARED_CAPTURE and graph and len(active) in graphs["warmed"] and _prepare(active, batched)
-        if graph and graphs.get("pool") is None:
-            graphs["pool"] = torch.cuda.graph_pool_handle()
-        batched["runner"] = TokenRunner(step, backbone.device, side, prepared=prepared, pool=graphs.get("pool"))
+        batched["runner"] = TokenRunner(BatchedFusedStep(backbone, active, active[0].path.kernels), backbone.device,
+                                        side)
         batched["build_ms"] = (time.perf_counter() - t0) * 1e3  # host time, read by decode_batch's stats
     runner = batched["runner"]
     step = runner.step
@@ -671,26 +639,8 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, kee
         record_steps([st.store for st in active], batched.setdefault("record", {}))
         batched["after_ms"] = (time.perf_counter() - t0) * 1e3  # host time (not called by a graph's replay)
 
-    runner(0, after_all, graph=graph)
-    if runner.graph is not None:
-        graphs["warmed"].add(len(active))
+    runner(0, after_all, graph=all(st.path.graph and st.store.graph_safe for st in active))
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
-
-
-def _prepare(active: list[Stream], batched: dict) -> bool:
-    """Ahead of a composition's capture with no eager step before it: the tables its first step would build (the
-    methods' `Policy.prepare_all`, the stores' flush and record tables), in the dicts that step's `after_all`
-    keeps them in. True when every method says its hooks then build nothing at their first call."""
-    from wnw_exp.kv.packed import flush_stores, record_steps
-
-    groups: dict = {}
-    for st in active:
-        groups.setdefault(type(st.policy), []).append(st.policy)
-    ok = [cls.prepare_all(ps, batched.setdefault(("after_step", cls), {})) for cls, ps in groups.items()]
-    stores = [st.store for st in active]
-    flush_stores(stores, batched.setdefault("flush", {}), launch=False)
-    record_steps(stores, batched.setdefault("record", {}), launch=False)
-    return all(ok)
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

@@ -211,11 +211,6 @@ class BatchedFusedStep:
                     self.observe[li].append((b, torch.tensor(heads, dtype=torch.int32, device=dev),
                                              torch.zeros(len(heads), st.store.n_audio, device=dev)))
         self._scratch: list[dict] = [{} for _ in range(L)]
-        if kernels == "triton":  # the attention's partials made here, outside any graph capture
-            from wnw_exp.kv.triton_attention import batched_scratch
-
-            for li in range(L):
-                batched_scratch(self._scratch[li], B, self.n_q, H, self.d, self.max_keys[li], dev)
         # per layer, with Triton: one ObserverSum over the streams whose methods only sum their observers' weights
         self.observer_sums: list = [None] * L
         if kernels == "triton":
@@ -274,13 +269,11 @@ class BatchedFusedStep:
 
 class CapturedStep:
     """`fn` recorded once in a CUDA graph (run it eagerly at least once before, so that kernels are compiled and
-    buffers allocated), replayed by each call: the same work, launched as one graph. `pool`: a memory pool handle
-    (`torch.cuda.graph_pool_handle()`) shared with graphs captured before, none of which is replayed after this one
-    (a batch's successive compositions): what it allocates reuses their freed memory instead of new segments."""
+    buffers allocated), replayed by each call: the same work, launched as one graph."""
 
-    def __init__(self, fn, pool=None):
+    def __init__(self, fn):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):
             fn()
 
     def __call__(self) -> None:

@@ -321,19 +321,6 @@ def _batched_partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bt_ptr, dlen_ptr, aoff
     _store_partial(po_ptr, plse_ptr, bh * G + rows, sp, N_SPLITS, m, lsum, acc, rows < G, cols, D)
 
 
-def batched_scratch(s: dict, B: int, H_q: int, H: int, D: int, max_keys: int, device: torch.device) -> dict:
-    """`decode_attention_batched`'s float32 split-K partials and log-sum-exp for B streams and a key bound, in `s`
-    (made when its shapes change; a caller may make them ahead, e.g. outside a CUDA graph capture, whose private
-    memory pool would otherwise take them)."""
-    n_splits = n_splits_for(max_keys, B * H)
-    key = (B, H_q, D, n_splits)
-    if s.get("key") != key:
-        s.update(key=key, po=torch.empty(B * H_q, n_splits, D, device=device, dtype=torch.float32),
-                 plse=torch.empty(B * H_q, n_splits, device=device, dtype=torch.float32),
-                 lse=torch.empty(B, H_q, device=device, dtype=torch.float32))
-    return s
-
-
 def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pool_pos: torch.Tensor,
                              dense_table: torch.Tensor, dense_len: torch.Tensor, audio_off: torch.Tensor,
                              audio_len: torch.Tensor, scale: float, *, max_keys: int, page_rows: int,
@@ -347,8 +334,13 @@ def decode_attention_batched(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torc
     B, H_q, D = q.shape
     H, n_pages = dense_table.shape[1:]
     G = H_q // H
-    s = batched_scratch(scratch if scratch is not None else {}, B, H_q, H, D, max_keys, q.device)
-    n_splits = s["key"][-1]
+    n_splits = n_splits_for(max_keys, B * H)
+    key = (B, H_q, D, n_splits)
+    s = scratch if scratch is not None else {}
+    if s.get("key") != key:
+        s.update(key=key, po=torch.empty(B * H_q, n_splits, D, device=q.device, dtype=torch.float32),
+                 plse=torch.empty(B * H_q, n_splits, device=q.device, dtype=torch.float32),
+                 lse=torch.empty(B, H_q, device=q.device, dtype=torch.float32))
     out = torch.empty(B, H_q, D, device=q.device, dtype=q.dtype)
     assert pool_k.stride(0) == D and pool_v.stride(0) == D and dense_table.is_contiguous()
     _batched_partial_kernel[(B * H, n_splits)](

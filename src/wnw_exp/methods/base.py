@@ -124,16 +124,6 @@ class Policy:
         for p, i in zip(policies, steps):
             p.after_step(i)
 
-    @classmethod
-    def prepare_all(cls, policies: list["Policy"], held: dict) -> bool:
-        """Before a batch's step is captured in a CUDA graph with no eager step before it: build, outside the
-        capture, what `after_step_all(policies, ..., held)` would build at its first call (tables, index
-        tensors). True when the decode hooks may then be captured at once; False (the engine runs its eager
-        warm-up step first) when they may build something at their first call. Here: True for a class that
-        overrides none of the decode hooks (nothing to build), False for one that does (unless it says more)."""
-        hooks = ("before_attention", "observe", "after_step", "after_step_all")
-        return not any(h in c.__dict__ for c in cls.__mro__[: cls.__mro__.index(Policy)] for h in hooks)
-
     def trace(self) -> dict:
         """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable."""
         return {}

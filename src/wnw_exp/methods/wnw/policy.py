@@ -439,15 +439,6 @@ class WnW(Policy):
         return tables
 
     @classmethod
-    def prepare_all(cls, policies: list["WnW"], held: dict) -> bool:
-        """The batch's tables built ahead of a capture; True when every policy decides with them (or has no
-        decision to make), so that nothing is built at the captured step's first call."""
-        together = [p for p in policies if cls._joins(p)]
-        if together:
-            cls._swap_tables(together, held)
-        return all(cls._joins(p) or not p.has_anchors for p in policies)
-
-    @classmethod
     def after_step_all(cls, policies: list["WnW"], steps: list, held: dict) -> None:
         """A batch's `after_step`s: the policies deciding in one Triton launch on their own (`_joins`) decide
         together in one launch and queue their moves together in a second (`triton_swap.ChunkSwapTables`, eagerly

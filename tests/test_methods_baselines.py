@@ -16,7 +16,7 @@ from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import SampleContext
 from wnw_exp.methods.affpool import keep_ratio, merge_threshold, run_groups
 from wnw_exp.methods.arkvale import key_digests, page_scores
-from wnw_exp.methods.scoring import (adakv_capacities, balanced_bounds, group_mean, keep_top, pool1d,
+from wnw_exp.methods.scoring import (adakv_capacities, balanced_bounds, group_mean, keep_top, pool1d, top_masks,
                                      snapkv_scores, spread_budget, window_mean)
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
@@ -75,6 +75,18 @@ def test_adakv_allocation_matches_a_hand_computed_example():
     assert adakv_capacities(scores, 4, 0.8).tolist() == [4, 3]
     # floor_alpha 1: uniform per-head top-B.
     assert adakv_capacities(scores, 4, 1.0).tolist() == [4, 4]
+
+
+def test_top_masks_keep_each_heads_top_positions_ties_to_the_earlier():
+    """The masks of a layer's heads from one sort against a plain Python ranking of each head (score descending,
+    position ascending), on scores with many ties and caps from 0 to n."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 4, (6, 23), generator=g).float()  # few distinct values: ties everywhere
+    caps = torch.tensor([0, 1, 5, 11, 22, 23])
+    masks = top_masks(scores, caps)
+    for h in range(6):
+        want = sorted(sorted(range(23), key=lambda i: (-float(scores[h, i]), i))[: int(caps[h])])
+        assert masks[h].nonzero().flatten().tolist() == want == keep_top(scores, caps)[h].tolist()
 
 
 def test_budget_spreading_and_balanced_pages():

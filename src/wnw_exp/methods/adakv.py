@@ -10,8 +10,8 @@ Recipe, per layer, at prefill (`place`):
 2. Budget. B = round(retention * n_audio) positions per KV head on average, H_kv * B for the layer.
 3. Allocation (AdaKV's code): c_h = how many of the layer's top H_kv * B scores head h holds; head h keeps
    its top round(c_h * (1 - floor_alpha) + int(B * floor_alpha)) positions, floor_alpha = 0.8.
-4. The rest is dropped for good: `store.set_tiers(layer, head, kept, None)`; there is no CPU tier, so
-   r_GPU = r_GPU+CPU.
+4. The rest is dropped for good: `store.set_tiers_block` of the layer's heads, kept masks only (one stable sort
+   for the layer, `scoring.top_masks`); there is no CPU tier, so r_GPU = r_GPU+CPU.
 With B >= n_audio (retention 1.0) nothing is touched, so the method then gives exactly Full's tokens.
 """
 
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores
-from wnw_exp.methods.scoring import adakv_capacities, keep_top, snapkv_scores
+from wnw_exp.methods.scoring import adakv_capacities, snapkv_scores, top_masks
 
 
 @register
@@ -37,7 +39,7 @@ class AdaKV(Policy):
 
     def start(self, ctx, store) -> None:
         super().start(ctx, store)
-        self._caps: list[list[int]] = []
+        self._caps: list[torch.Tensor] = []  # each placed layer's per-head budgets
 
     def place(self, layer: int, scores: PrefillScores) -> None:
         n = scores.post_audio.shape[-1]
@@ -47,14 +49,13 @@ class AdaKV(Policy):
         s = snapkv_scores(scores.post_audio, window=self.window_size, kernel=self.kernel_size,
                           pooling=self.pooling, group=self.ctx.group)
         caps = adakv_capacities(s, budget, self.floor_alpha)
-        self._caps.append(caps.tolist())
-        for head, kept in enumerate(keep_top(s, caps)):
-            self.store.set_tiers(layer, head, kept, None)
+        self._caps.append(caps)  # read at the end (`knobs`): no host read per layer here
+        self.store.set_tiers_block(layer * self.ctx.n_kv_heads, top_masks(s, caps))
 
     def knobs(self) -> dict:
         """The spread of the per-head budgets AdaKV chose, as fractions of the audio tokens."""
         if not self._caps:
             return {}
-        caps = [c for layer in self._caps for c in layer]
+        caps = torch.cat(self._caps).tolist()
         n = self.ctx.n_audio
         return dict(head_budget_min=min(caps) / n, head_budget_max=max(caps) / n)

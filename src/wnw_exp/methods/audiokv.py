@@ -35,6 +35,7 @@ from wnw_exp.head_scores import resolve_head_scores
 from wnw_exp.kv.base import KVStore
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.methods.scoring import top_masks
 
 
 def head_budgets(voice_score: np.ndarray, retention: float, n_audio: int, baseline_ratio: float) -> np.ndarray:
@@ -102,12 +103,11 @@ class AudioKV(Policy):
             post = post.new_zeros(post.shape[0], 1, n_a)
         s = post.float().mean(dim=1).view(H, g, n_a).mean(dim=1)  # (H_kv, n_audio)
         smooth = fft_smooth(s, self.alpha, self.rho)
-        for k in range(H):
-            b = int(self.budget[layer, k])
-            if b >= n_a:
-                continue
-            keep = torch.sort(smooth[k], descending=True, stable=True).indices[:b]
-            self.store.set_tiers(layer, k, torch.sort(keep).values)
+        budget = np.minimum(self.budget[layer], n_a)
+        placed = budget < n_a  # a head whose budget covers its audio keeps everything, untouched
+        if placed.any():  # each placed head's top `budget` positions (ties: the earlier), the layer in one call
+            self.store.set_tiers_block(layer * H, top_masks(smooth, torch.as_tensor(budget)), None,
+                                       select=torch.as_tensor(placed))
 
     def knobs(self) -> dict:
         return dict(alpha=self.alpha, rho=self.rho, window=self.window, baseline_ratio=self.baseline_ratio,

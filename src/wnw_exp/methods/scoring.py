@@ -77,10 +77,18 @@ def adakv_capacities(scores: torch.Tensor, budget: int, floor_alpha: float) -> t
     return torch.round(counts * (1 - floor_alpha) + floor).long().clamp(max=n)
 
 
+def top_masks(scores: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """(H, n) bool: per head h, its top caps[h] positions by score (ties: the earlier position first), from one
+    stable sort of every head; caps (H,) integer, capped at n by construction. No host read."""
+    h, n = scores.shape
+    order = torch.argsort(scores, dim=1, descending=True, stable=True)
+    first = torch.arange(n, device=scores.device) < torch.as_tensor(caps, device=scores.device)[:, None]
+    return torch.zeros_like(first).scatter_(1, order, first)
+
+
 def keep_top(scores: torch.Tensor, caps: torch.Tensor) -> list[torch.Tensor]:
     """Per head h, its top caps[h] positions by score, sorted by position (ties: the earlier position first)."""
-    order = torch.argsort(scores, dim=1, descending=True, stable=True)
-    return [torch.sort(order[i, : int(c)]).values for i, c in enumerate(caps.tolist())]
+    return [m.nonzero().flatten() for m in top_masks(scores, caps)]
 
 
 def spread_budget(total: int, n_slots: int) -> list[int]:

@@ -42,9 +42,9 @@ def main() -> None:
             print(f"skipped (no time left): {' '.join(job)}", file=log, flush=True)
             return
         t0 = time.time()
-        mine = {x.split("=", 1)[0] for x in job}  # a job's own value of a common key replaces it (one value a key:
-        cmd = [sys.executable, "-m", "wnw_exp.cli.run",  # both would name the run directory)
-               *[x for x in common if x.split("=", 1)[0] not in mine], *job]
+        # a job's own value of a common key replaces it: both would name the run directory
+        mine = {x.split("=", 1)[0] for x in job}
+        cmd = [sys.executable, "-m", "wnw_exp.cli.run", *[x for x in common if x.split("=", 1)[0] not in mine], *job]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             out, _ = p.communicate(timeout=left)

@@ -78,12 +78,13 @@ def adakv_capacities(scores: torch.Tensor, budget: int, floor_alpha: float) -> t
 
 
 def top_masks(scores: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
-    """(H, n) bool: per head h, its top caps[h] positions by score (ties: the earlier position first), from one
-    stable sort of every head; caps (H,) integer, capped at n by construction. No host read."""
-    h, n = scores.shape
-    order = torch.argsort(scores, dim=1, descending=True, stable=True)
-    first = torch.arange(n, device=scores.device) < torch.as_tensor(caps, device=scores.device)[:, None]
-    return torch.zeros_like(first).scatter_(1, order, first)
+    """(..., n) bool: per row of `scores` (..., n) (a head, or a block of a head), its top caps[...] positions by
+    score (ties: the earlier position first), from one stable sort of every row; caps (...) integer, at most n.
+    No host read."""
+    n = scores.shape[-1]
+    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    first = torch.arange(n, device=scores.device) < torch.as_tensor(caps, device=scores.device)[..., None]
+    return torch.zeros_like(first).scatter_(-1, order, first)
 
 
 def keep_top(scores: torch.Tensor, caps: torch.Tensor) -> list[torch.Tensor]:

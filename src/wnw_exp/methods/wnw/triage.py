@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from wnw_exp.methods.scoring import top_masks
+
 ANCHOR, TIDAL, FIXED = "anchor", "tidal", "fixed"
 SIGNALS = ("vs_hs", "vs", "hs")
 SELECTIONS = ("segment", "global")
@@ -391,10 +393,7 @@ def select_masks(scores: torch.Tensor, quotas: torch.Tensor, block: int) -> torc
     scores = scores.float()
     pad = (-n) % block  # the last block's missing tail ranks after every real position (stable sort)
     x = torch.cat([scores, scores.new_full((H, pad), float("-inf"))], dim=1).view(H, -1, block)
-    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
-    top = torch.arange(block, device=scores.device) < quotas[..., None]  # the first quota of each block's order
-    keep = torch.zeros_like(top).scatter_(-1, order, top)
-    return keep.view(H, -1)[:, :n]
+    return top_masks(x, quotas).view(H, -1)[:, :n]  # each block's first quota of its order
 
 
 def _select_by_quota(scores: torch.Tensor, quotas: np.ndarray, n_s: int) -> torch.Tensor:

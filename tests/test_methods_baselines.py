@@ -243,20 +243,21 @@ def test_gqa_and_mrope_backbone_runs_on_target(name):
 
 
 # --- ArkVale's step 5 on the device = the per-head host rule ----------------------------------------------
-def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, seed=0):
+def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, seed=0, device="cpu"):
     """The same ArkVale placement on the reference store (host rule) and on the packed store (device rule)."""
+    device = torch.device(device)
     from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.kv.reference import AudioKVStore
     from wnw_exp.methods.base import PrefillScores
 
     g = torch.Generator().manual_seed(seed)
     ctx = SampleContext(n_layers=layers, n_q_heads=heads * group, n_kv_heads=heads, head_dim=d, token_rate=12.5,
-                        n_audio=n_audio, retention=retention, device=torch.device("cpu"))
-    k = torch.randn(layers, heads, n_audio + 3, d, generator=g)
-    post = torch.rand(layers, heads * group, 2, n_audio, generator=g)
+                        n_audio=n_audio, retention=retention, device=device)
+    k = torch.randn(layers, heads, n_audio + 3, d, generator=g).to(device)
+    post = torch.rand(layers, heads * group, 2, n_audio, generator=g).to(device)
     pair = []
     for cls in (AudioKVStore, PackedAudioKVStore):
-        store = cls(layers, heads, d, n_audio, torch.device("cpu"), torch.float32, dense_capacity=16)
+        store = cls(layers, heads, d, n_audio, device, torch.float32, dense_capacity=16)
         policy = build_policy(method_cfg("arkvale"), {})
         policy.start(ctx, store)
         for li in range(layers):
@@ -318,18 +319,20 @@ def test_arkvale_swap_kernel_is_swap_pages_and_its_queueing():
         pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
     from wnw_exp.methods.arkvale.kernels import swap
 
-    (_, ref), (dev, packed) = _arkvale_pair(seed=2)
-    kern_policy, kern_store = _arkvale_pair(seed=2)[1]
+    # on a GPU the compiled kernel (CUDA tensors); without one, Triton's interpreter on CPU tensors
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    (_, ref), (dev, packed) = _arkvale_pair(seed=2, device=device)
+    kern_policy, kern_store = _arkvale_pair(seed=2, device=device)[1]
     g = torch.Generator().manual_seed(9)
     H, n_pages = 2, len(dev.bounds) - 1
     for step in range(6):
         for li in range(2):
-            q = torch.randn(4, 8, generator=g)
+            q = torch.randn(4, 8, generator=g).to(device)
             hi, lo = dev.digests[li]
             want = page_scores(q.view(H, 2, -1), hi, lo)
             scratch: dict = {}
             if step % 2:  # tied scores: whole runs of equal values
-                want = torch.randint(0, 3, (H, n_pages), generator=g).float()
+                want = torch.randint(0, 3, (H, n_pages), generator=g).float().to(device)
                 swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
                      kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch, scores=want)
             else:

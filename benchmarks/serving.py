@@ -14,20 +14,19 @@ runs `--prefill-chunk-layers` layers between two decode steps.
     PYTHONPATH=src python3 benchmarks/serving.py --gpu --out $OUT/serving.json    # the H200 scenario, docs/gpu.md
     python3 benchmarks/serving.py --smoke [--out x.json]                         # tiny shapes on the CPU, seconds
 
---gpu: Voxtral-Mini-3B decoder shape, bf16, `--kv-budget-gb` (6) of KV, `--requests-4min` (32) requests of 3,000
-audio tokens (4 min at 12.5 tokens/s) and `--requests-10min` (14) of 7,500 (10 min), each answering about 3
-tokens per second of audio (720 / 1,800 tokens, +-20% per request, seeded), for Full, AdaKV@0.2, ArkVale@0.2, WnW@0.2
-and WnW@0.2 with recall off. Scripted anchors (WnW): the focus sweeps the clip once over the answer (n_audio /
-n_new audio tokens per token, a transcript's pace). Scenarios run method by method, both lengths each, with eager
-decode steps (no CUDA graph: the path least likely to fail on a first GPU run): Full, WnW, AdaKV, ArkVale; then
-`--graph-methods` (WnW, Full) again with one CUDA graph per composition of the batch (captured after 2 eager steps
-of each composition); then WnW with recall off. No scenario starts after `--deadline-s` (150 s); rows are written
-as each scenario ends, so a call cut short keeps what finished. The budget is 6 GB rather than the issue's 40 so
-that the scenarios fit one 5-minute call (the stream counts scale with the budget; 32 and 14 requests are meant to
-exceed WnW's peaks, about 28 and 13 streams by a rough estimate from the store's layout made before the dense part
-was paged (each stream then held its whole answer's dense room), not a measurement, so that the pool and not the
-request count sets the peak: `max_concurrent` < `requests` in a row shows it did; with the paged dense part the
-request counts may need raising).
+--gpu: Voxtral-Mini-3B decoder shape, bf16, `--kv-budget-gb` (6) of KV, `--requests-4min` (48) requests of 3,000
+audio tokens (4 min at 12.5 tokens/s) and `--requests-10min` (20) of 7,500 (10 min), all arriving at once, each
+answering about 3 tokens per second of audio (720 / 1,800 tokens, +-20% per request, seeded), for `--methods`
+(Full, AdaKV@0.2, ArkVale@0.2, WnW@0.2, WnW@0.2 with recall off) and `--retention`. Scripted anchors (WnW): the
+focus sweeps the clip once over the answer (n_audio / n_new audio tokens per token, a transcript's pace). The
+scenarios run method by method, both lengths each, with eager decode steps for every method of `--methods` but the
+last, then `--graph-methods` (WnW, Full) with one CUDA graph per composition of the batch (captured after
+`WNW_WARM_STEPS`, 1, eager step of each composition), then the last of `--methods` (`--methods ""` runs the graph
+rows alone). No scenario starts after `--deadline-s` (150 s); rows are written as each scenario ends, so a call cut
+short keeps what finished. The budget is 6 GB rather than the issue's 40 so that the scenarios fit one call (the
+stream counts scale with the budget). The request counts exceed every method's peak (Full 12 / 5 streams, the 0.2
+methods about 3x as many), so the pool and not the request count sets it: `max_concurrent` < `requests` in a row
+shows it did.
 
 A row per (method, audio length): {"kind": "throughput", "method", "retention", "audio_tokens", "kv_budget_gb",
 "max_concurrent", "tokens_per_s", "p50_ms", "p95_ms", "h2d_gb_per_s", "preempted"} plus: requests, generated tokens,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call for issue 16 (carry .whl): the CUDA tests of the batched flush / chunk swap, the batched step's
 # profile at peak (33 WnW streams), then the serving rows with CUDA graphs (SERVING_GRAPH, in order, none started
-# after SERVING_DEADLINE_S; LENGTHS=4 for the 4-min scenario alone). MICRO="<copy_micro.py arguments>" also times the
-# recall copy alone after the tests. Everything is packed into $OUT/serving-session.tar.gz (the device returns few
-# files).
+# later than SERVING_MARGIN_S before LIMIT_S; LENGTHS=4 for the 4-min scenario alone; SERVING_ARGS: more
+# serving.py arguments, e.g. "--requests-4min 192"). MICRO="<copy_micro.py arguments>" also times the recall copy
+# alone after the tests. Everything is packed into $OUT/serving-session.tar.gz (the device returns few files).
 #   run: bash scripts/gpu/serving_session.sh     [carry .whl, timeout_s 600]
 set -uo pipefail
 OUTD=${OUT:-/tmp/out}; W=/tmp/serving-session; mkdir -p "$OUTD" $W
@@ -31,5 +31,5 @@ fi
 left=$(( ${LIMIT_S:-585} - ($(date +%s) - t0) ))
 timeout $left python3 benchmarks/serving.py --gpu --deadline-s $(( left - ${SERVING_MARGIN_S:-110} )) --methods "" \
   --graph-methods "${SERVING_GRAPH:-full,wnw,adakv,arkvale,wnw_recall_off}" --lengths "${LENGTHS:-4,10}" \
-  --out $W/serving.json > $W/serving.log 2>&1
+  ${SERVING_ARGS:-} --out $W/serving.json > $W/serving.log 2>&1
 python3 scripts/gpu/serving_summary.py $W/serving.json | cut -c1-400; echo "serving at $(( $(date +%s) - t0 )) s"

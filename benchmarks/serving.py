@@ -37,8 +37,9 @@ every stream over every token (the prefill chunks interleaved included; a preemp
 restart are not); h2d_gb_per_s: host -> device bytes of the recalls (of the runs that finished) over the decode
 steps run at peak concurrency, over their time; tokens_per_s_at_peak: the steady state, max_concurrent tokens per step
 over the steps run at peak concurrency (with few requests per wave, tokens_per_s is mostly ramp-up and tail);
-preempted: preemptions (a stream restarted from scratch). Then a "latency_bs1" row per method: the
-same request alone (p50/p95 at batch size 1, the reference for the peak's p95).
+preempted: preemptions (a stream restarted from scratch); where the wall went, over every step (`_wall_parts`:
+steps and seconds by kind, prefill between steps, admissions that waited for room). Then a "latency_bs1" row per
+method: the same request alone (p50/p95 at batch size 1, the reference for the peak's p95).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 mean_batch=float(np.mean(stats.batch_sizes)) if stats.batch_sizes else 0.0,
                 steps=len(stats.batch_sizes), step_ms_p50_at_peak=_pct([stats.step_ms[i] for i in at_peak], 50),
                 step_ms_p95_at_peak=_pct([stats.step_ms[i] for i in at_peak], 95), steps_at_peak=len(at_peak),
-                **_kinds_at_peak(stats, at_peak),
+                **_kinds_at_peak(stats, at_peak), **_wall_parts(stats),
                 prefill_ms_mean=float(np.mean([x.prefill_ms for x in results.values()])),
                 prefill_stall_ms_max=max(stats.prefill_ms_between_steps, default=0.0),
                 prefill_chunk_layers=chunk_layers, pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
@@ -207,6 +208,20 @@ def ablated(parts: str):
         for obj, name, value in reversed(undo):
             setattr(obj, name, value)
     return restore
+
+
+def _wall_parts(stats) -> dict:
+    """Where a scenario's wall time went, over every step (not only at peak): the decode steps by kind (count and
+    seconds: replays, captures, eager steps; a composition of the batch costs eager + capture steps), the prefill
+    chunks run between two steps, and the admissions that waited for room in the pool. The rest of the wall is
+    prefill while no stream ran, the host's bookkeeping between steps, and the first composition's build."""
+    out = {}
+    for kind in ("replay", "capture", "eager"):
+        ms = [m for m, k in zip(stats.step_ms, stats.step_kinds) if k == kind]
+        out[f"steps_{kind}"], out[f"step_s_{kind}"] = len(ms), sum(ms) / 1e3
+    out["prefill_s_between_steps"] = sum(stats.prefill_ms_between_steps) / 1e3
+    out["room_waits"] = stats.room_waits
+    return out
 
 
 def _kinds_at_peak(stats, at_peak: list[int]) -> dict:

@@ -640,7 +640,11 @@ def test_serving_benchmark_smoke(tmp_path):
         assert 0 < x["step_after_ms_mean_at_peak_eager"] <= x["step_ms_mean_at_peak_eager"]
         assert 0 <= x["step_build_ms_mean_at_peak_eager"] <= x["step_ms_mean_at_peak_eager"]
         assert x["engine"] == {"warm_steps": 1}
+        # the wall's parts over every step: all eager here, and together no more than the wall
+        assert x["steps_eager"] == x["steps"] and x["steps_replay"] == x["steps_capture"] == 0
+        assert 0 < x["step_s_eager"] and x["step_s_eager"] + x["prefill_s_between_steps"] <= x["wall_s"]
     assert tput["full"]["max_concurrent"] == 2
+    assert tput["full"]["room_waits"] > 0  # 6 requests, room for 2: a prefilled request waited for a leave
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
     assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]
     assert {x["method"] for x in rows if x["kind"] == "latency_bs1"} == set(tput)

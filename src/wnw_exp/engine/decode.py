@@ -368,6 +368,7 @@ class BatchStats:
     step_after_ms: list[float] = field(default_factory=list)
     prefill_ms_between_steps: list[float] = field(default_factory=list)
     refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
+    room_waits: int = 0  # admissions that found no room in the pool (the prefilled stream waited for a leave)
     preempted: list = field(default_factory=list)  # keys of the streams preempted (restarted later), in order
     joined_at: dict = field(default_factory=dict)  # key -> the decode step (index into batch_sizes) it first ran in
     emitted_at: dict = field(default_factory=dict)  # key -> its tokens' perf_counter() times
@@ -444,6 +445,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 if done_layers and not waiting_for_room:
                     joined = _admit(st, active, stats)
                     waiting_for_room = joined is None  # retried once a stream has left
+                    stats.room_waits += waiting_for_room
                     if joined is not None:
                         admitting = None
                         if joined:

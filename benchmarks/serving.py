@@ -210,15 +210,23 @@ def ablated(parts: str):
     return restore
 
 
+STEP_KINDS = ("replay", "capture", "eager")  # `BatchStats.step_kinds`
+
+
+def _of_kind(stats, steps, kind: str) -> list[int]:
+    """The indices among `steps` of the decode steps of `kind` (a value of `BatchStats.step_kinds`)."""
+    return [i for i in steps if stats.step_kinds[i] == kind]
+
+
 def _wall_parts(stats) -> dict:
     """Where a scenario's wall time went, over every step (not only at peak): the decode steps by kind (count and
     seconds: replays, captures, eager steps; a composition of the batch costs eager + capture steps), the prefill
     chunks run between two steps, and the admissions that waited for room in the pool. The rest of the wall is
     prefill while no stream ran, the host's bookkeeping between steps, and the first composition's build."""
     out = {}
-    for kind in ("replay", "capture", "eager"):
-        ms = [m for m, k in zip(stats.step_ms, stats.step_kinds) if k == kind]
-        out[f"steps_{kind}"], out[f"step_s_{kind}"] = len(ms), sum(ms) / 1e3
+    for kind in STEP_KINDS:
+        idx = _of_kind(stats, range(len(stats.step_ms)), kind)
+        out[f"steps_{kind}"], out[f"step_s_{kind}"] = len(idx), sum(stats.step_ms[i] for i in idx) / 1e3
     out["prefill_s_between_steps"] = sum(stats.prefill_ms_between_steps) / 1e3
     out["room_waits"] = stats.room_waits
     return out
@@ -228,14 +236,13 @@ def _kinds_at_peak(stats, at_peak: list[int]) -> dict:
     """The steps at peak by kind (`BatchStats.step_kinds`: replays of a composition's CUDA graph, its capture, the
     eager steps before it): how many, and their mean wall time. What separates the at-peak mean from the replays'."""
     out = {}
-    for kind in ("replay", "capture", "eager"):
-        ms = [stats.step_ms[i] for i in at_peak if stats.step_kinds[i] == kind]
-        out[f"steps_at_peak_{kind}"] = len(ms)
-        out[f"step_ms_mean_at_peak_{kind}"] = float(np.mean(ms)) if ms else None
+    for kind in STEP_KINDS:
+        idx = _of_kind(stats, at_peak, kind)
+        out[f"steps_at_peak_{kind}"] = len(idx)
+        out[f"step_ms_mean_at_peak_{kind}"] = float(np.mean([stats.step_ms[i] for i in idx])) if idx else None
         if kind != "replay":  # of that mean: making the composition's step, and the decisions and moves after it
             for part, xs in (("build", stats.step_build_ms), ("after", stats.step_after_ms)):
-                v = [xs[i] for i in at_peak if stats.step_kinds[i] == kind]
-                out[f"step_{part}_ms_mean_at_peak_{kind}"] = float(np.mean(v)) if v else None
+                out[f"step_{part}_ms_mean_at_peak_{kind}"] = float(np.mean([xs[i] for i in idx])) if idx else None
     return out
 
 

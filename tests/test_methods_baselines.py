@@ -245,11 +245,11 @@ def test_gqa_and_mrope_backbone_runs_on_target(name):
 # --- ArkVale's step 5 on the device = the per-head host rule ----------------------------------------------
 def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, seed=0, device="cpu"):
     """The same ArkVale placement on the reference store (host rule) and on the packed store (device rule)."""
-    device = torch.device(device)
     from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.kv.reference import AudioKVStore
     from wnw_exp.methods.base import PrefillScores
 
+    device = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     ctx = SampleContext(n_layers=layers, n_q_heads=heads * group, n_kv_heads=heads, head_dim=d, token_rate=12.5,
                         n_audio=n_audio, retention=retention, device=device)

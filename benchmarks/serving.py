@@ -77,8 +77,17 @@ def lengths(n: int, mean: int, seed: int = 0) -> list[int]:
     return [max(2, int(round(mean * f))) for f in rng.uniform(0.8, 1.2, n)]
 
 
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival times (s) of `n` requests at `rate` requests per second (exponential gaps, seeded); rate 0: all at 0."""
+    if rate <= 0:
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return [float(t) for t in np.cumsum(gaps) - gaps[0]]  # the first arrives at once
+
+
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
-             chunk_layers: int | None, path: dict, expected: int | None = None) -> dict:
+             chunk_layers: int | None, path: dict, expected: int | None = None,
+             arrivals: list[float] | None = None) -> dict:
     from wnw_exp.engine.decode import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
@@ -91,8 +100,10 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     t0 = time.perf_counter()
     results = {}
     expected = expected if expected is not None else int(round(float(np.mean(caps))))  # the mean answer
-    for key, res in decode_batch(bb, [Request(i, prompt, c, expected) for i, c in enumerate(caps)], template.fork,
-                                 retention=r, pool=pool, prefill_chunk_layers=chunk_layers, stats=stats, **path):
+    arrivals = arrivals if arrivals is not None else [0.0] * len(caps)
+    requests = [Request(i, prompt, c, expected, arrival_s=a) for i, (c, a) in enumerate(zip(caps, arrivals))]
+    for key, res in decode_batch(bb, requests, template.fork, retention=r, pool=pool, prefill_chunk_layers=chunk_layers,
+                                 stats=stats, **path):
         if isinstance(res, Exception):
             raise res
         results[key] = res
@@ -119,12 +130,13 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 mean_batch=float(np.mean(stats.batch_sizes)) if stats.batch_sizes else 0.0,
                 steps=len(stats.batch_sizes), step_ms_p50_at_peak=_pct([stats.step_ms[i] for i in at_peak], 50),
                 step_ms_p95_at_peak=_pct([stats.step_ms[i] for i in at_peak], 95), steps_at_peak=len(at_peak),
-                **_kinds_at_peak(stats, at_peak), **_wall_parts(stats),
+                **_kinds_at_peak(stats, at_peak), **_wall_parts(stats), **load_metrics(stats, results, arrivals),
                 prefill_ms_mean=float(np.mean([x.prefill_ms for x in results.values()])),
                 prefill_stall_ms_max=max(stats.prefill_ms_between_steps, default=0.0),
                 prefill_chunk_layers=chunk_layers, pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
                 pool_capacity_gb=pool.capacity_bytes / 1e9, refused=len(stats.refused),
                 preempted=len(stats.preempted), expected_new_tokens=expected,
+                arrivals="poisson" if any(arrivals) else "burst", arrival_span_s=max(arrivals),
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
                 path={k: v for k, v in path.items()})
 
@@ -219,17 +231,54 @@ def _of_kind(stats, steps, kind: str) -> list[int]:
 
 
 def _wall_parts(stats) -> dict:
-    """Where a scenario's wall time went, over every step (not only at peak): the decode steps by kind (count and
-    seconds: replays, captures, eager steps; a composition of the batch costs eager + capture steps), the prefill
-    chunks run between two steps, and the admissions that waited for room in the pool. The rest of the wall is
-    prefill while no stream ran, the host's bookkeeping between steps, and the first composition's build."""
-    out = {}
+    """Where a scenario's wall time went: every part of the engine's loop (`BatchStats.wall_s`, `wall_s_<part>`:
+    waiting for arrivals, making streams, prefill, placement, dense pages, decode steps, reading tokens, finishing
+    streams, the caller, the loop's bookkeeping; they add up to the wall), and the decode steps by kind over every
+    step (count and seconds: replays, captures, eager steps; a new composition of the batch costs eager + capture
+    steps), the prefill chunks run between two steps, and the admissions that waited for room in the pool."""
+    from wnw_exp.engine.decode import WALL_PARTS
+
+    out = {f"wall_s_{part}": stats.wall_s.get(part, 0.0) for part in WALL_PARTS}
     for kind in STEP_KINDS:
         idx = _of_kind(stats, range(len(stats.step_ms)), kind)
         out[f"steps_{kind}"], out[f"step_s_{kind}"] = len(idx), sum(stats.step_ms[i] for i in idx) / 1e3
     out["prefill_s_between_steps"] = sum(stats.prefill_ms_between_steps) / 1e3
     out["room_waits"] = stats.room_waits
     return out
+
+
+def load_metrics(stats, results: dict, arrivals: list[float]) -> dict:
+    """A serving engineer's view of one scenario, from the engine's own clocks (`BatchStats`):
+
+    - whole run (arrival of the first request to the last token): output tokens/s and requests/s;
+    - the steady window: from the end of the first decode step run at peak concurrency (the ramp-up before it) to
+      the last admission (after it the queue is empty and the batch drains: the tail); the tokens emitted and the
+      requests finished inside it, over its length (None where the batch never ran at peak before the last admission);
+    - TTFT (a request's arrival to its first token, queueing and prefill included) and inter-token latency, p50/p95/p99
+      over every request / every gap (ITL in the window too).
+    `results`: key -> DecodeResult of the requests that finished; `arrivals[key]`: their arrival, s after the start."""
+    t0 = stats.started_at
+    wall = sum(stats.wall_s.values())
+    times = {k: np.asarray(stats.emitted_at[k]) for k in results}
+    every = np.sort(np.concatenate(list(times.values()))) if times else np.zeros(0)
+    ttft = [stats.first_token_at[k] - (t0 + arrivals[k]) for k in results]
+    gaps = np.concatenate([np.diff(t) for t in times.values()]) * 1e3 if times else np.zeros(0)
+    out = dict(tokens_per_s_whole=len(every) / wall if wall else 0.0,
+               requests_per_s_whole=len(results) / wall if wall else 0.0,
+               **{f"ttft_ms_p{q}": _pct(1e3 * np.asarray(ttft), q) for q in (50, 95, 99)},
+               **{f"itl_ms_p{q}": _pct(gaps, q) for q in (50, 95, 99)})
+    peak = max(stats.batch_sizes, default=0)
+    start = stats.step_at[stats.batch_sizes.index(peak)] if peak else None
+    end = max(stats.first_token_at.values(), default=None)
+    if start is None or end is None or end <= start:
+        return dict(out, window_s=None, ramp_s=None, tail_s=None, tokens_per_s_window=None, requests_per_s_window=None,
+                    **{f"itl_ms_window_p{q}": None for q in (50, 95, 99)})
+    in_window = (every > start) & (every <= end)
+    finished = sum(1 for t in times.values() if start < t[-1] <= end)
+    gaps_w = np.concatenate([np.diff(t)[(t[1:] > start) & (t[1:] <= end)] for t in times.values()]) * 1e3
+    return dict(out, window_s=end - start, ramp_s=start - t0, tail_s=t0 + wall - end,
+                tokens_per_s_window=int(in_window.sum()) / (end - start), requests_per_s_window=finished / (end - start),
+                **{f"itl_ms_window_p{q}": _pct(gaps_w, q) for q in (50, 95, 99)})
 
 
 def _kinds_at_peak(stats, at_peak: list[int]) -> dict:
@@ -298,6 +347,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--requests-4min", type=int, default=48)
     ap.add_argument("--requests-10min", type=int, default=20)
     ap.add_argument("--lengths", default="4,10", help="--gpu: which scenarios run, in minutes of audio (4, 10)")
+    ap.add_argument("--arrival-rate", type=float, default=0.0,
+                    help="requests per second, Poisson (seeded); 0: every request arrives at once (a burst)")
     ap.add_argument("--retention", type=float, default=0.2)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--prefill-chunk-layers", type=int, default=6, help="prefill layers between two decode steps")
@@ -395,8 +446,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompt = bb.build_prompt()
         mean = tok_mean or int(round(n_audio / ds.TOKEN_RATE * TOKENS_PER_AUDIO_SECOND))
         caps = lengths(n_req, mean)
+        arrivals = poisson_arrivals(n_req, a.arrival_rate, seed=1)
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
-                                                         a.prefill_chunk_layers, job_path, mean)),
+                                                         a.prefill_chunk_layers, job_path, mean, arrivals)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

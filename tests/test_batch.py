@@ -258,6 +258,43 @@ def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing():
         assert batched[i].tokens == a.tokens and batched[i].trace == a.trace
 
 
+def test_arrivals_are_waited_for_and_every_wall_second_has_one_part():
+    """Requests arriving over time: none starts before it arrives, an idle loop waits (no busy spin), results stay
+    bs 1's; the wall parts (`BatchStats.wall_s`) add up to the wall the caller saw, each part measured, not derived."""
+    import time
+
+    from wnw_exp.engine.decode import WALL_PARTS
+
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=True, kernels="torch")
+    prompts, caps = _prompts(bb, (10.0, 8.0, 9.0)), (6, 4, 5)
+    solo = [generate(bb, p, _policy("wnw", bb), retention=0.2, max_new_tokens=c, **path) for p, c in zip(prompts, caps)]
+    # the third arrives long after the first two have finished: the loop has nothing to do until then
+    arrivals = (0.0, 0.05, 1.5)
+    reqs = [Request(i, p, c, arrival_s=a) for i, (p, c, a) in enumerate(zip(prompts, caps, arrivals))]
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    stats = BatchStats()
+    t0 = time.perf_counter()
+    got = {}
+    for key, res in decode_batch(bb, reqs, _policy("wnw", bb).fork, retention=0.2, pool=pool, stats=stats, **path):
+        got[key] = res
+        time.sleep(0.02)  # the caller's own work (writing a prediction) is its part, not the engine's
+    wall = time.perf_counter() - t0
+    for i in range(3):
+        assert got[i].tokens == solo[i].tokens
+        first = stats.first_token_at[i] - stats.started_at
+        assert first >= arrivals[i]  # nothing runs before its arrival
+        assert stats.emitted_at[i][0] == stats.first_token_at[i]
+    assert set(stats.wall_s) <= set(WALL_PARTS)
+    assert sum(stats.wall_s.values()) == pytest.approx(wall, rel=0.02, abs=0.005)
+    assert stats.wall_s["caller"] >= 3 * 0.02
+    finished_two = max(stats.emitted_at[0][-1], stats.emitted_at[1][-1]) - stats.started_at
+    assert stats.wall_s["wait"] == pytest.approx(arrivals[2] - finished_two, abs=0.25)  # the idle gap, slept
+    assert stats.wall_s["step"] * 1e3 == pytest.approx(sum(stats.step_ms), rel=1e-6)
+    for part in ("setup", "prefill", "place", "grow", "emit", "finish"):
+        assert stats.wall_s[part] > 0
+
+
 def test_a_stream_whose_step_fails_fails_alone():
     from wnw_exp.methods.base import Policy
 
@@ -643,11 +680,48 @@ def test_serving_benchmark_smoke(tmp_path):
         # the wall's parts over every step: all eager here, and together no more than the wall
         assert x["steps_eager"] == x["steps"] and x["steps_replay"] == x["steps_capture"] == 0
         assert 0 < x["step_s_eager"] and x["step_s_eager"] + x["prefill_s_between_steps"] <= x["wall_s"]
+        # every wall second in one named part of the engine's loop, the steps' part their sum
+        parts = sum(v for k, v in x.items() if k.startswith("wall_s_"))
+        assert parts == pytest.approx(x["wall_s"], rel=0.02) and x["wall_s_step"] == pytest.approx(x["step_s_eager"])
+        assert x["tokens_per_s_whole"] == pytest.approx(x["tokens_per_s"], rel=0.02)
+        assert x["arrivals"] == "burst" and x["ttft_ms_p99"] >= x["ttft_ms_p50"] > 0
+        assert x["itl_ms_p99"] >= x["itl_ms_p95"] == pytest.approx(x["p95_ms"])
     assert tput["full"]["max_concurrent"] == 2
     assert tput["full"]["room_waits"] > 0  # 6 requests, room for 2: a prefilled request waited for a leave
     assert min(tput[m]["max_concurrent"] for m in ("wnw", "adakv", "arkvale")) > 2
     assert tput["wnw"]["h2d_gb_per_s"] > 0 == tput["wnw_recall_off"]["h2d_gb_per_s"] == tput["adakv"]["h2d_gb_per_s"]
     assert {x["method"] for x in rows if x["kind"] == "latency_bs1"} == set(tput)
+
+
+def test_serving_load_metrics_by_hand():
+    """serving.py's steady window, TTFT and ITL on a hand-made timeline of three requests (arriving at 0, 1 and 3.5 s
+    after the start at 100 s): the window runs from the end of the first step at peak concurrency (2 streams, 102.5)
+    to the last admission (the third request's first token, 104.0); the ramp-up before it, the tail after."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/serving.py"
+    spec = importlib.util.spec_from_file_location("serving_bench", path)
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    st = BatchStats(started_at=100.0)
+    st.emitted_at = {0: [100.5, 101.5, 102.0, 102.5, 103.0], 1: [102.0, 102.5, 103.0, 104.5], 2: [104.0, 104.5, 106.0]}
+    st.first_token_at = {k: t[0] for k, t in st.emitted_at.items()}
+    st.batch_sizes, st.step_at = [1, 2, 2, 1, 2, 1], [101.5, 102.5, 103.0, 104.0, 104.5, 106.0]
+    st.wall_s = {"step": 5.0, "loop": 1.0}  # the run: 100.0 .. 106.0
+    m = serving.load_metrics(st, {0: None, 1: None, 2: None}, [0.0, 1.0, 3.5])
+    assert m["tokens_per_s_whole"] == pytest.approx(12 / 6.0) and m["requests_per_s_whole"] == pytest.approx(0.5)
+    # TTFT: 0.5, 1.0, 0.5 s; ITL gaps (ms): 1000, 500, 500, 500 | 500, 500, 1500 | 500, 1500
+    assert m["ttft_ms_p50"] == pytest.approx(500.0) and m["ttft_ms_p99"] == pytest.approx(990.0)
+    assert m["itl_ms_p50"] == pytest.approx(500.0)
+    # window: from the first step at peak (ends 102.5) to the last admission (104.0): tokens at 103.0 (x2), 104.0
+    assert m["ramp_s"] == pytest.approx(2.5) and m["window_s"] == pytest.approx(1.5) and m["tail_s"] == pytest.approx(2.0)
+    assert m["tokens_per_s_window"] == pytest.approx(3 / 1.5)
+    assert m["requests_per_s_window"] == pytest.approx(1 / 1.5)  # request 0 finished at 103.0
+    assert m["itl_ms_window_p50"] == pytest.approx(500.0)  # gaps ending in the window: 500 (103.0), 500 (103.0)
+    assert serving.poisson_arrivals(3, 0.0) == [0.0, 0.0, 0.0]
+    arr = serving.poisson_arrivals(4000, 4.0, seed=1)
+    assert arr[0] == 0.0 and all(b >= a for a, b in zip(arr, arr[1:]))
+    assert len(arr) / arr[-1] == pytest.approx(4.0, rel=0.05)
 
 
 def test_the_benchmarks_scripted_signal_of_a_batch_equals_each_streams_own():

@@ -331,6 +331,7 @@ class Request:
     prompt: Prompt
     max_new_tokens: int
     expected_new_tokens: int | None = None  # the answer admission expects (None: see `decode_batch`'s reserve_tokens)
+    arrival_s: float = 0.0  # when it arrives, in seconds after `decode_batch` starts (0: it is there at once)
 
 
 EXPECTED_ANSWER_FRACTION = 0.6  # of the length cap: 3 tokens a second of audio where the cap allows 5 (conf/model)
@@ -362,6 +363,7 @@ class BatchStats:
     batch_sizes: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     step_kinds: list[str] = field(default_factory=list)  # each step: "replay" (its CUDA graph), "capture" or "eager"
+    step_at: list[float] = field(default_factory=list)  # each step's end, perf_counter()
     # each step's host time (ms) making a new composition's batched step, and running the decisions and moves
     # after its layers (0 where none ran: a replay, a stream stepping on its own); parts of `step_ms`
     step_build_ms: list[float] = field(default_factory=list)
@@ -372,6 +374,39 @@ class BatchStats:
     preempted: list = field(default_factory=list)  # keys of the streams preempted (restarted later), in order
     joined_at: dict = field(default_factory=dict)  # key -> the decode step (index into batch_sizes) it first ran in
     emitted_at: dict = field(default_factory=dict)  # key -> its tokens' perf_counter() times
+    started_at: float = 0.0  # perf_counter() when `decode_batch` started: requests' `arrival_s` count from it
+    first_token_at: dict = field(default_factory=dict)  # key -> perf_counter() of its first token (first attempt's)
+    # where the wall went: seconds by part of the loop (`WALL_PARTS`), every second of it in exactly one part
+    wall_s: dict = field(default_factory=dict)
+
+
+# The parts of `decode_batch`'s wall time (`BatchStats.wall_s`), in the order a request meets them:
+#   wait     no stream runs and the next request has not arrived yet
+#   setup    making a request's stream: its policy (a fork), its store, its pool extents
+#   prefill  prefill layers (`Stream.prefill_layers`), between decode steps or while none runs
+#   place    the store's compaction, the method's decisions in force at step 0, the first token (`_admit`)
+#   grow     dense pages for the next token of every stream (`_grow_dense`, preemption included)
+#   step     the decode steps (`BatchStats.step_ms`, by kind in `step_kinds`)
+#   emit     the tokens read into the streams after a step
+#   finish   results of the streams that ended (`Stream.result`) and their memory released
+#   caller   the consumer of `decode_batch`'s results, between a yield and the loop going on
+#   loop     the loop's own bookkeeping between those parts
+WALL_PARTS = ("wait", "setup", "prefill", "place", "grow", "step", "emit", "finish", "caller", "loop")
+
+
+class _Laps:
+    """Attributes wall time to named parts: `lap(part)` gives `part` the time since the last lap (so the parts add
+    up to the wall, whatever runs between laps)."""
+
+    def __init__(self, wall: dict):
+        self.wall, self.t = wall, time.perf_counter()
+
+    def lap(self, part: str) -> float:
+        """Seconds since the last lap, given to `part`."""
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        self.wall[part] = self.wall.get(part, 0.0) + dt
+        return dt
 
 
 @torch.no_grad()
@@ -412,18 +447,32 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         raise ValueError(f"max_concurrent={max_concurrent!r}: at least 1 stream")
     pending = iter(requests)
     queue: deque = deque()  # preempted requests, to run again before the new ones
+    arriving: Request | None = None  # the next new request, read from `requests` before it has arrived
     exhausted = False
     active: list[Stream] = []
     admitting: tuple[Stream, Iterator] | None = None
     batched: dict = {}  # the fused path's step for the current composition (and its graph)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
+    laps = _Laps(stats.wall_s)
+    stats.started_at = laps.t
     while True:
-        if admitting is None and (queue or not exhausted) and len(active) < limit:
-            req = queue.popleft() if queue else next(pending, None)
+        if admitting is None and (queue or arriving is not None or not exhausted) and len(active) < limit:
+            req = queue.popleft() if queue else None
             if req is None:
-                exhausted = True
-            else:
+                if arriving is None:
+                    arriving = next(pending, None)
+                    exhausted = arriving is None
+                if arriving is not None:
+                    due = stats.started_at + arriving.arrival_s
+                    if not active and time.perf_counter() < due:  # nothing to do until it arrives
+                        laps.lap("loop")
+                        time.sleep(max(0.0, due - time.perf_counter()))
+                        laps.lap("wait")
+                    if time.perf_counter() >= due:
+                        req, arriving = arriving, None
+            if req is not None:
+                laps.lap("loop")
                 try:
                     policy = make_policy()
                     path = decode_path(dev, policy, store, fused, graph, kernels)
@@ -432,22 +481,28 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                                 key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens))
                     st.request = req
                     admitting = (st, st.prefill_layers())
+                    laps.lap("setup")
                 except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    laps.lap("setup")
                     yield req.key, e
+                    laps.lap("caller")
                     continue
         if admitting is not None:
             st, layers = admitting
             try:
-                t0 = time.perf_counter()
+                laps.lap("loop")
                 done_layers, ran = _advance(layers, prefill_chunk_layers)
+                dt = laps.lap("prefill")
                 if active and ran:
-                    stats.prefill_ms_between_steps.append((time.perf_counter() - t0) * 1e3)
+                    stats.prefill_ms_between_steps.append(dt * 1e3)
                 if done_layers and not waiting_for_room:
                     joined = _admit(st, active, stats)
+                    laps.lap("place")
                     waiting_for_room = joined is None  # retried once a stream has left
                     stats.room_waits += waiting_for_room
                     if joined is not None:
                         admitting = None
+                        stats.first_token_at.setdefault(st.key, st.emitted_at[0])
                         if joined:
                             stats.joined_at[st.key] = len(stats.batch_sizes)
                             active.append(st)
@@ -455,38 +510,51 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                         else:  # its first token ended it
                             result = st.result()
                             _leave(st)
+                            laps.lap("finish")
                             yield st.key, result
+                            laps.lap("caller")
             except Exception as e:  # noqa: BLE001
                 admitting = None
                 _leave(st)
+                laps.lap("finish")
                 yield st.key, e
+                laps.lap("caller")
         if not active:
-            if admitting is None and exhausted and not queue:
+            if admitting is None and arriving is None and exhausted and not queue:
+                laps.lap("loop")
                 return
             continue
+        laps.lap("loop")
         preempted, failed_growth = _grow_dense(active)
         for st in preempted:  # newest first (their memory is already free): the oldest ends at the head of the queue
             stats.preempted.append(st.key)
             queue.appendleft(st.request)
+        laps.lap("grow")
         for st, e in failed_growth:
             _leave(st)
+            laps.lap("finish")
             yield st.key, e
+            laps.lap("caller")
         if preempted or failed_growth:
             batched.clear()
             waiting_for_room = False
             if not active:
                 continue
-        t0 = time.perf_counter()
+        laps.lap("loop")
         replayed = getattr(batched.get("runner"), "graph", None) is not None
         try:
             tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
+            laps.lap("step")
             for st in active:
                 _leave(st)
+                laps.lap("finish")
                 yield st.key, e
+                laps.lap("caller")
             active, batched, waiting_for_room = [], {}, False
             continue
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = laps.lap("step") * 1e3
+        stats.step_at.append(laps.t)
         stats.batch_sizes.append(len(active))
         stats.step_ms.append(ms)
         stats.step_kinds.append(_step_kind(batched.get("runner"), replayed))
@@ -500,12 +568,15 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 continue
             st.step_ms.append(ms)
             st.emit(tokens[b], logits[b] if logits is not None else None)
+        laps.lap("emit")
         if any(st.done for st in active):
             for st in [st for st in active if st.done]:
                 stats.emitted_at[st.key] = st.emitted_at
                 result = failed.get(id(st)) or st.result()
                 _leave(st)
+                laps.lap("finish")
                 yield st.key, result
+                laps.lap("caller")
             active = [st for st in active if not st.done]
             batched.clear()
             waiting_for_room = False

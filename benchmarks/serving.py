@@ -153,6 +153,68 @@ def latency_bs1(bb, prompt, method: str, info: dict, scores: Path, n_new: int, r
                 prefill_ms=res.prefill_ms)
 
 
+def gemm_tflops(dev, n: int = 8192, reps: int = 10) -> float:
+    """The device's achievable dense bf16 matmul rate (TFLOP/s), timed: the compute floor's denominator."""
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    a @ b
+    ds._sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    ds._sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+@torch.no_grad()
+def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: float, path: dict, reps: int = 5,
+                top: int = 12) -> dict:
+    """One request's prefill as admission runs it (`Stream.prefill_layers` + `finish_prefill` into a pool), median of
+    `reps` after a warm one, against its compute floor: the decoder's matmul FLOPs (2 x weights x tokens, and the
+    causal attention's 2 x T^2 x H_q x D per layer) at the GEMM rate measured in the same call; and the `top`
+    device kernels of one prefill (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from wnw_exp.engine.decode import Stream, decode_path
+    from wnw_exp.kv.pool import KVPool
+
+    r = 1.0 if method == "full" else retention
+    template = policy_for(method, info, scores, prompt.n_audio, 8)
+    template.check(r)
+    pool = KVPool.of_bytes(2e9 if bb.device.type == "cuda" else 1e8, bb.head_dim, bb.dtype, bb.device)
+    cuda = bb.device.type == "cuda"
+
+    def once() -> tuple[float, float]:
+        policy = template.fork()
+        st = Stream(bb, prompt, policy, retention=r, max_new_tokens=8, path=decode_path(bb.device, policy, **path),
+                    pool=pool, expected_new_tokens=8)
+        ds._sync()
+        t0 = time.perf_counter()
+        for _ in st.prefill_layers():
+            pass
+        ds._sync()
+        t1 = time.perf_counter()
+        st.finish_prefill()
+        ds._sync()
+        t2 = time.perf_counter()
+        st.store.release_memory()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    once()
+    runs = [once() for _ in range(reps)]
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        once()
+    T, L = prompt.input_ids.shape[1], bb.n_layers
+    linear = sum(p.numel() for layer in bb.layers for p in layer.parameters() if p.dim() == 2)
+    flops = 2 * linear * T + L * 2 * T * T * bb.n_q_heads * bb.head_dim  # causal: half of 4 T^2 H D
+    rate = gemm_tflops(bb.device) if cuda else None
+    layers_ms, finish_ms = float(np.median([a for a, _ in runs])), float(np.median([b for _, b in runs]))
+    return dict(kind="prefill", method=method, retention=r, audio_tokens=prompt.n_audio, prompt_tokens=T,
+                prefill_ms=layers_ms + finish_ms, layers_ms=layers_ms, finish_ms=finish_ms,
+                floor_ms=flops / (rate * 1e12) * 1e3 if rate else None, gemm_tflops=rate, tflop=flops / 1e12,
+                **ds.per_step(ds.kernel_times(prof, cuda), 1, top))
+
+
 class _PeakSteps(list):
     """`BatchStats.batch_sizes` that runs a torch.profiler over `steps` decode steps once the batch holds `peak`
     streams, after `skip` steps at that size (the graph's capture and warm steps stay out) and `steps` more timed
@@ -361,6 +423,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "comma-separated (e.g. wnw:33:3000:graph,wnw:33:3000:graph:-copy,adakv:35:3000); the parts "
                          "are --ablate's, for that row")
     ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--prefill", default="", help="instead of the scenarios, prefill rows of these methods "
+                    "(comma-separated) at the first of --lengths: time against the compute floor, top kernels")
     ap.add_argument("--ablate", default="", help="--profile only, a diagnostic: parts of the work after each step "
                     f"left out (comma-separated: {', '.join(ABLATIONS)}); the answers are then wrong")
     ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
@@ -403,7 +467,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not a.smoke:
         jobs += [(n_audio, n_req, m, {}) for m in a.graph_methods.split(",") if m for n_audio, n_req in audio]
     jobs += eager(methods[-1:])
-    if a.profile:
+    if a.profile or a.prefill:
         jobs = []
     rows: list[dict] = []
 
@@ -434,6 +498,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         emit(dict(row, ablate=parts or None, **meta))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    for method in filter(None, a.prefill.split(",")):
+        n_audio = audio[0][0]
+        if n_audio not in backbones:
+            backbones[n_audio] = ds.make_backbone(model, n_audio)
+        bb = backbones[n_audio]
+        try:
+            row = prefill_row(bb, bb.build_prompt(), method, info, scores, a.retention, path if a.smoke else {})
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            row = dict(kind="prefill", method=method, error=f"{type(e).__name__}: {e}")
+        emit(dict(row, **meta))
     for n_audio, n_req, method, job_path in jobs:
         graph = job_path.get("graph", True) and not a.smoke
         if not a.smoke and time.perf_counter() - t_start > a.deadline_s:

@@ -295,6 +295,26 @@ def test_arrivals_are_waited_for_and_every_wall_second_has_one_part():
         assert stats.wall_s[part] > 0
 
 
+@pytest.mark.parametrize("method,host", [("full", False), ("adakv", False), ("wnw", True), ("arkvale", True)])
+@torch.no_grad()
+def test_only_a_method_with_a_cpu_tier_keeps_a_host_mirror(method, host):
+    """The packed store pins a host copy of the prompt's audio KV (2 x L x H_kv x N x D values) only for a method
+    that offloads (`Policy.cpu_tier`); such a store refuses a placement that offloads, naming the fix."""
+    from wnw_exp.engine.decode import Stream, decode_path
+
+    bb = _backbone("voxtral")
+    policy = _policy(method, bb)
+    st = Stream(bb, _prompts(bb, (10.0,))[0], policy, retention=0.2, max_new_tokens=4,
+                path=decode_path(bb.device, policy, "packed", True, False, "torch"))
+    st.prefill()
+    assert (st.store.host_k is not None) == host == policy.cpu_tier
+    assert st.store.summary()["r_gpu_cpu"] >= st.store.summary()["r_gpu"]
+    if not host:
+        n = st.store.n_audio
+        with pytest.raises(ValueError, match="no host tier.*cpu_tier = True"):
+            st.store.set_tiers_block(0, torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool))
+
+
 def test_a_stream_whose_step_fails_fails_alone():
     from wnw_exp.methods.base import Policy
 

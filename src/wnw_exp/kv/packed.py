@@ -60,7 +60,7 @@ class PackedAudioKVStore(StepAccounting):
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
                  dtype: torch.dtype, dense_capacity: int, kernels: str = "auto", pool: KVPool | None = None,
-                 expected_new_tokens: int | None = None):
+                 expected_new_tokens: int | None = None, host_mirror: bool = True):
         """`kernels`: "triton" (attention: kv/triton_attention.py; flush and zero-copy recall: kv/triton_moves.py;
         on CUDA, or in Triton's interpreter on a CPU), "torch" (`attention_torch` and the PyTorch flush, their
         specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch).
@@ -69,7 +69,8 @@ class PackedAudioKVStore(StepAccounting):
         tokens' dense rows come in pages as they are needed (`ensure_dense`), and `release_memory` gives it all back.
         `expected_new_tokens` (pool only): the dense growth admission counts on (`outstanding_blocks`; None: every
         token of `dense_capacity`). Without a pool the store allocates its own (its dense part for `dense_capacity`
-        tokens at once)."""
+        tokens at once). `host_mirror`: keep a (pinned) host copy of the prompt's audio KV, the CPU tier recalls read;
+        False for methods that never offload (`Policy.cpu_tier`): no host memory, no copy at prefill."""
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
         if kernels == "auto":
@@ -100,8 +101,10 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_pos = torch.arange(N, device=dev, dtype=torch.int32).repeat(R)
         self.audio_len = torch.full((L, H), N, device=dev, dtype=torch.int32)
         pin = self.device.type == "cuda"
-        self.host_k = torch.empty(R, N, D, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.empty(R, N, D, dtype=dtype, pin_memory=pin)
+        # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B): only
+        # for a method with a CPU tier
+        self.host_k = torch.empty(R, N, D, dtype=dtype, pin_memory=pin) if host_mirror else None
+        self.host_v = torch.empty(R, N, D, dtype=dtype, pin_memory=pin) if host_mirror else None
         self.slot_of = torch.arange(N, device=dev, dtype=torch.int32).repeat(R, 1)
         self.on_host = torch.zeros(R, N, device=dev, dtype=torch.bool)
         self.n_resident = torch.full((R,), N, device=dev, dtype=torch.int64)
@@ -150,8 +153,9 @@ class PackedAudioKVStore(StepAccounting):
         base = int(self.base[layer * H])  # before compact() every row owns n_audio slots
         self.audio_k[base: base + H * N].view(H, N, D).copy_(k[:, s:e])
         self.audio_v[base: base + H * N].view(H, N, D).copy_(v[:, s:e])
-        self.host_k[layer * H:(layer + 1) * H].copy_(k[:, s:e], non_blocking=True)
-        self.host_v[layer * H:(layer + 1) * H].copy_(v[:, s:e], non_blocking=True)
+        if self.host_k is not None:
+            self.host_k[layer * H:(layer + 1) * H].copy_(k[:, s:e], non_blocking=True)
+            self.host_v[layer * H:(layer + 1) * H].copy_(v[:, s:e], non_blocking=True)
 
     def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
         """Keep `gpu` positions resident, make `cpu` recallable, drop the rest (as the reference): `set_tiers_block`
@@ -175,6 +179,9 @@ class PackedAudioKVStore(StepAccounting):
         freed, exactly as one `set_tiers` per row. Fixed-shape device work over the rows' slots and one host read,
         the residency check, made before anything changes (a ValueError then changes nothing)."""
         dev, m = self.device, gpu.shape[0]
+        if cpu is not None and self.host_k is None:
+            raise ValueError("set_tiers: this store keeps no host tier (host_mirror=False); a method that offloads to "
+                             "the CPU declares cpu_tier = True")
         rows = slice(row0, row0 + m)
         sel = torch.ones(m, dtype=torch.bool, device=dev) if select is None else select.to(dev, torch.bool)
         keep = gpu.to(dev, torch.bool) & sel[:, None]
@@ -236,7 +243,7 @@ class PackedAudioKVStore(StepAccounting):
         self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
         self._blocks = None
         self._flush_blocks()
-        if self.graph_safe:
+        if self.graph_safe and recallable.any():  # (nothing reads the host mirror otherwise)
             self._probe_zero_copy()
 
     def rows_needed(self, caps: np.ndarray) -> int:

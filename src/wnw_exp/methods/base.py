@@ -70,6 +70,7 @@ class Policy:
     packed_store = True  # False: the method needs the reference store (it merges tokens, or moves anything anytime)
     recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
     graph_safe = True  # on a queuing store its decode hooks only launch device work: they may be captured
+    cpu_tier = False  # True: it keeps recallable audio KV on the host (the store then keeps a pinned host mirror)
 
     def fork(self) -> "Policy":
         """A policy for one more sample decoded at the same time as this one's (a batch): the same knobs and caches,

@@ -35,6 +35,7 @@ GRANULARITIES = ("token", "chunk")
 class Oracle(Policy):
     name = "oracle"
     graph_safe = False  # its per-step ranking and moves run on the host
+    cpu_tier = True
 
     granularity: str = "token"
     chunk_seconds: float = 4.0

@@ -78,6 +78,7 @@ def page_scores(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Te
 class ArkVale(Policy):
     name = "arkvale"
     graph_safe = True  # on a queuing store step 5 runs on the device
+    cpu_tier = True
 
     page_size: int = 32  # at most this many audio tokens per page
     topk_fraction: float = 0.5  # pages that must be resident each step, as a fraction of the page budget

@@ -99,6 +99,7 @@ DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it pe
 class WnW(Policy):
     name = "wnw"
     graph_safe = True  # on a queuing store the chunk swap runs on the device (see the module docstring)
+    cpu_tier = True
 
     def __init__(self, head_scores: str | None = None, n_voice: int | str = "auto", n_anchor: int | str = "auto",
                  lam: float | str = "auto", lambda_tolerance: float = 0.005, signal: str = "vs_hs",

@@ -315,6 +315,24 @@ def test_only_a_method_with_a_cpu_tier_keeps_a_host_mirror(method, host):
             st.store.set_tiers_block(0, torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool))
 
 
+def test_the_pool_recycles_host_mirrors_and_results_stay_bs1s():
+    """A leaving stream's host mirror goes back to the pool and the next stream of that shape gets it (nothing new is
+    pinned); two WnW streams one after the other through one recycled mirror decode exactly as each alone."""
+    bb = _backbone("voxtral")
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    a = pool.host_buffer((3, 4, 8), torch.float32)
+    pool.give_host(a)
+    assert pool.host_buffer((3, 4, 8), torch.float32) is a  # recycled
+    assert pool.host_buffer((3, 4, 8), torch.float32) is not a  # (it was taken: a new one)
+    assert pool.host_buffer((3, 4, 8), torch.bfloat16).dtype == torch.bfloat16
+    path = dict(store="packed", fused=True, kernels="torch")
+    solo, got, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=(5, 6), seconds=(9.0, 9.0),
+                                         max_concurrent=1)
+    assert max(stats.batch_sizes) == 1
+    for i in range(2):
+        assert got[i].tokens == solo[i].tokens and got[i].trace == solo[i].trace
+
+
 def test_a_stream_whose_step_fails_fails_alone():
     from wnw_exp.methods.base import Policy
 

@@ -102,9 +102,10 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_len = torch.full((L, H), N, device=dev, dtype=torch.int32)
         pin = self.device.type == "cuda"
         # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B): only
-        # for a method with a CPU tier
-        self.host_k = torch.empty(R, N, D, dtype=dtype, pin_memory=pin) if host_mirror else None
-        self.host_v = torch.empty(R, N, D, dtype=dtype, pin_memory=pin) if host_mirror else None
+        # for a method with a CPU tier; in a pool, recycled from the streams that left (`KVPool.host_buffer`)
+        host = pool.host_buffer if pool is not None else lambda shape, dt: torch.empty(shape, dtype=dt, pin_memory=pin)
+        self.host_k = host((R, N, D), dtype) if host_mirror else None
+        self.host_v = host((R, N, D), dtype) if host_mirror else None
         self.slot_of = torch.arange(N, device=dev, dtype=torch.int32).repeat(R, 1)
         self.on_host = torch.zeros(R, N, device=dev, dtype=torch.bool)
         self.n_resident = torch.full((R,), N, device=dev, dtype=torch.int64)
@@ -345,6 +346,10 @@ class PackedAudioKVStore(StepAccounting):
                     self.pool.free(e)
             self._pages = []
             self.audio_k = self.audio_v = self.dense_k = self.dense_v = None
+        if self.pool is not None and self.host_k is not None:  # the next stream of this shape pins nothing new
+            self.pool.give_host(self.host_k)
+            self.pool.give_host(self.host_v)
+            self.host_k = self.host_v = None
 
     def _probe_zero_copy(self) -> None:
         """Read the pinned host mirror from the GPU once, before any graph needs it; where the GPU cannot, fall back

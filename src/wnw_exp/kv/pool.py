@@ -13,6 +13,10 @@ The pool also holds each row's audio position (`pos`, int32, -1 for a free slot 
 attention launch over every stream of a batch reads positions as it reads keys: by pool row. Only the K/V rows
 and those positions live here (they are >= 97% of a stream's device bytes at 3,000 audio tokens); each store's
 small bookkeeping tensors (slot tables, masks, positions) are its own allocations.
+
+Host memory: the pinned host mirrors of the streams whose method keeps a CPU tier (`host_buffer`) are kept by the
+pool when a stream leaves and handed to the next stream of the same shape, as a server keeps its swap space: pinning
+hundreds of MB for each request costs more than its prefill (`cudaHostAlloc` maps and locks every page).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class KVPool:
         self._live: dict[int, Extent] = {}  # extents handed out, by first block
         self.used_blocks = self.peak_blocks = 0
         self.n_refused = 0
+        self._host: dict[tuple, list[torch.Tensor]] = {}  # idle pinned host buffers, by (shape, dtype)
 
     @classmethod
     def of_bytes(cls, budget_bytes: float, head_dim: int, dtype: torch.dtype, device, block: int = 64) -> "KVPool":
@@ -135,6 +140,18 @@ class KVPool:
         """The extent's K rows, V rows and slot positions (views into the pool)."""
         s = slice(ext.start, ext.start + ext.n_rows)
         return self.k[s], self.v[s], self.pos[s]
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of `shape` (pinned where the pool is on CUDA, contents undefined): one a leaving stream gave
+        back (`give_host`), else a new one."""
+        idle = self._host.get((tuple(shape), dtype))
+        if idle:
+            return idle.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def give_host(self, buf: torch.Tensor) -> None:
+        """Keep `buf` (from `host_buffer`; nothing may read or write it any more) for the next stream of its shape."""
+        self._host.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
 
     def stats(self) -> dict:
         rb = self.block * self.row_bytes

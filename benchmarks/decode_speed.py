@@ -345,9 +345,9 @@ def per_step(times: dict, steps: int, top: int) -> dict:
 
 
 def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15) -> dict:
-    """Where a decode step's device time goes: the fused step run eagerly (a graph hides its kernels from the
+    """Where a decode step's GPU time goes: the fused step run eagerly (a graph hides its kernels from the
     profiler) under torch.profiler, once for `steps` answer tokens and once for the prefill alone; the difference
-    per kernel over `steps`: the `top` kernels by device time per step (us), with their launches per step."""
+    per kernel over `steps`: the `top` kernels by GPU time per step (us), with their launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import generate

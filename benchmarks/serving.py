@@ -359,9 +359,9 @@ def _kinds_at_peak(stats, at_peak: list[int]) -> dict:
 
 def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: int, steps: int, retention: float,
                   path: dict, top: int = 18) -> dict:
-    """Where a batched decode step's device time goes at `n_streams` streams: `n_streams` equal requests in an
+    """Where a batched decode step's GPU time goes at `n_streams` streams: `n_streams` equal requests in an
     unbounded pool, torch.profiler over `steps` decode steps taken while all of them run (eagerly, or replaying the
-    composition's CUDA graph); the `top` kernels by device time per step (us) with their launches per step."""
+    composition's CUDA graph); the `top` kernels by GPU time per step (us) with their launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import BatchStats, Request, decode_batch

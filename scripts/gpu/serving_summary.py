@@ -1,5 +1,5 @@
-"""Print the throughput rows of serving.py JSON files in one line each (on the GPU machine, to read a call's result
-from its log): file, method, streams at peak, tokens/s at peak and x the file's Full of the same length, step p50
+"""Print the throughput rows of serving.py JSON files in one line each (to read a run's result
+at a glance): file, method, streams at peak, tokens/s at peak and x the file's Full of the same length, step p50
 at peak, and the steps at peak by kind (replay / capture / eager: count and mean ms; of the last two, the host ms
 making the composition's step and running the decisions and moves after its layers).
     python3 scripts/gpu/serving_summary.py OUT/*.json"""

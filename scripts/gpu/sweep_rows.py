@@ -1,4 +1,4 @@
-"""The rows of a methods sweep's results file from its run directories (here, after a sweep call): per run, the
+"""The rows of a methods sweep's results file from its run directories: per run, the
 corpus WER, each clip's WER, the median clip's WER minus Full's on the same clip, the clips at most 1 point above
 Full's, the terminated answers and r_GPU (the runs' own metrics.json for the last two).
 

@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("train")
     t.add_argument("--run-dir", required=True)
     t.add_argument("--minutes", type=float, default=6.0)
-    t.add_argument("--total-steps", type=int, default=2000, help="steps of this session at most")
+    t.add_argument("--total-steps", type=int, default=2000, help="steps of this training run at most")
     t.add_argument("--batch-windows", type=int, default=32)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=100)

@@ -4,7 +4,6 @@ ArkVale's recall)."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from wnw_exp.methods.affpool import keep_ratio, merge_threshold, run_groups
 from wnw_exp.methods.arkvale import key_digests, page_scores
 from wnw_exp.methods.scoring import (adakv_capacities, balanced_bounds, group_mean, keep_top, pool1d, top_masks,
                                      snapkv_scores, spread_budget, window_mean)
+from wnw_exp.paths import conf_dir
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
+CONF = conf_dir() / "method"
 METHODS = ["adakv", "arkvale", "affpool"]
 N_NEW = 12
 

@@ -14,8 +14,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-# The config groups live in the repository's conf/ (the package is installed in editable mode).
-CONFIG_DIR = os.environ.get("WNW_CONF", str(Path(__file__).resolve().parents[3] / "conf"))
+from wnw_exp.paths import conf_dir
+
+CONFIG_DIR = str(conf_dir())  # the conf/ inside the package, or $WNW_CONF
 
 
 def fail(message: str) -> None:

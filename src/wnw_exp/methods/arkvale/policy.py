@@ -77,6 +77,7 @@ def page_scores(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Te
 @dataclass(eq=False)
 class ArkVale(Policy):
     name = "arkvale"
+    label, color, marker = "ArkVale", "tab:blue", "s"  # how the report shows it
     graph_safe = True  # on a queuing store step 5 runs on the device
 
     page_size: int = 32  # at most this many audio tokens per page

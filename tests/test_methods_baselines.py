@@ -276,7 +276,7 @@ def _resident(store, layer, head):
 
 def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
     """Step 5 for every head at once on tensors (`swap_pages`, what the packed store's runs use) chooses the pages
-    of the per-head host rule (`_swap_head`, torch.topk), step by step, and the stores then hold the same positions."""
+    of the per-head host rule (`swap_head`, torch.topk), step by step, and the stores then hold the same positions."""
     (host, ref), (dev, packed) = _arkvale_pair()
     assert not host.on_device and dev.on_device
     g = torch.Generator().manual_seed(5)
@@ -285,7 +285,7 @@ def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
     for step in range(8):
         for li in range(2):
             scores = torch.randn(2, n_pages, generator=g)  # distinct values: both rules have one answer
-            want = [host._swap_head(li, h, scores[h]) for h in range(2)]
+            want = [host.swap_head(li, h, scores[h]) for h in range(2)]
             victims, missing = dev.swap_pages(li, scores.clone())
             for h, (v, m) in enumerate(want):
                 assert victims[h].nonzero().flatten().tolist() == sorted(v.tolist())

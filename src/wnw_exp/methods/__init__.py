@@ -3,6 +3,8 @@ class with `@register`, plus its YAML in conf/method/ (src/wnw_exp/conf); nothin
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from wnw_exp.methods.base import FullCache, Policy, PrefillScores, SampleContext
 
 REGISTRY: dict[str, type[Policy]] = {"full": FullCache}
@@ -30,6 +32,7 @@ def registered_methods() -> dict[str, type[Policy]]:
     return dict(REGISTRY)
 
 
+@lru_cache(maxsize=1)  # the modules register once; a class registered later (a test's) is in REGISTRY all the same
 def _import_all() -> None:
     import importlib
     import pkgutil

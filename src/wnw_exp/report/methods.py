@@ -16,7 +16,6 @@ Roles:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 ROLES = ("reference", "method", "ours", "bound")
@@ -75,8 +74,8 @@ def styles_for(registry: dict[str, type]) -> dict[str, MethodStyle]:
     return {n: out[n] for n in [n for n in out if n not in bounds] + bounds}
 
 
-@lru_cache(maxsize=1)
 def _registered() -> dict[str, MethodStyle]:
+    """The styles of the methods registered now (made each time: a handful of class attributes)."""
     from wnw_exp.methods import registered_methods  # the policies import torch; only the report's callers pay
 
     return styles_for(registered_methods())

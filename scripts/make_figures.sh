@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # `make figures`: every table and figure of the paper, from run directories only (wnw-report).
 #
-# First the sweep the figures need, on the embedded model: every method of conf/method/ at r_GPU = 0.2, 0.4, 0.6,
-# 0.8 (the oracle bound at both granularities), Full Cache once, and the §2.1 mismatch analysis (Full Cache,
+# First the sweep the figures need, on the embedded model: every method of src/wnw_exp/conf/method/ at r_GPU = 0.2, 0.4,
+# 0.6, 0.8 (the oracle bound at both granularities), Full Cache once, and the §2.1 mismatch analysis (Full Cache,
 # analysis=mismatch), on a few synthetic clips. It always runs: a run that is already complete is resumed,
 # which decodes nothing ("k of n samples already done"), and one that is missing is made, whatever else
 # exists under $RUNS. The clips are the data set's defaults, so the run `make run` made is reused as the WnW
 # 0.2 point. Then the report. The embedded model stands in for the paper's backbones and the synthetic test split
 # for LibriSpeech-Long test-clean (see the report's notes); nothing is filled in.
 #
-# Settings (environment): FIGURES_MODEL (whisper_smollm2), FIGURES_N clips (2), FIGURES_METHODS (every conf/method/ but
-# full), FIGURES_JOBS parallel runs (2; the joblib launcher when hydra-joblib-launcher is installed),
+# Settings (environment): FIGURES_MODEL (whisper_smollm2), FIGURES_N clips (2), FIGURES_METHODS (every method/ config
+# but full), FIGURES_JOBS parallel runs (2; the joblib launcher when hydra-joblib-launcher is installed),
 # FIGURES_ARGS (extra wnw-run overrides, space-separated), FIGURES_SWEEP (1; 0 = report only), RUNS
 # (outputs/runs), OUT (outputs/report), BIN (.venv/bin).
 set -euo pipefail
@@ -22,14 +22,15 @@ OUT=${OUT:-outputs/report}
 MODEL=${FIGURES_MODEL:-whisper_smollm2}
 N=${FIGURES_N:-2}
 JOBS=${FIGURES_JOBS:-2}
-all_methods=$(for f in conf/method/*.yaml; do n=$(basename "$f" .yaml); [ "$n" = full ] || printf '%s,' "$n"; done)
+CONF=${WNW_CONF:-src/wnw_exp/conf}  # the config groups wnw-run reads (wnw_exp.paths.conf_dir)
+all_methods=$(for f in "$CONF"/method/*.yaml; do n=$(basename "$f" .yaml); [ "$n" = full ] || printf '%s,' "$n"; done)
 METHODS=${FIGURES_METHODS:-${all_methods%,}}
 failed=()
 
 if [ "${FIGURES_SWEEP:-1}" = 1 ]; then
   methods=()
   for m in ${METHODS//,/ }; do
-    if [ -f "conf/method/$m.yaml" ]; then methods+=("$m"); else echo "  (no conf/method/$m.yaml: $m left out)" >&2; fi
+    if [ -f "$CONF/method/$m.yaml" ]; then methods+=("$m"); else echo "  (no $CONF/method/$m.yaml: $m left out)" >&2; fi
   done
   launcher=()
   if [ "$JOBS" -gt 1 ] && "$BIN/python" -c "import hydra_plugins.hydra_joblib_launcher" 2>/dev/null; then

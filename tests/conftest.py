@@ -32,8 +32,8 @@ import pytest  # noqa: E402
 # rest under 12 s), the short modules fill in at the end: both workers finished within 5 s of each other. Only the
 # order changes; a module still runs whole, in its own order, on one worker.
 LONGEST_FIRST = ("test_console_processes.py", "test_clean_failure.py", "test_whisper_smollm2.py", "test_report.py",
-                 "test_batch.py", "test_console.py", "test_runner.py", "test_run_identity.py", "test_fused_decode.py",
-                 "test_data_librispeech_long.py", "test_reliability.py", "test_input_hygiene.py")
+                 "test_batch.py", "test_console.py", "test_runner.py", "test_run_identity.py", "test_install.py",
+                 "test_fused_decode.py", "test_data_librispeech_long.py", "test_reliability.py", "test_input_hygiene.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -25,6 +25,7 @@ from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
 from wnw_exp.engine.decode import BatchStats, Request, decode_batch, generate
 from wnw_exp.kv.pool import KVPool, PoolFull
 from wnw_exp.methods import build_policy
+from wnw_exp.paths import conf_dir
 
 SHIPPED = Path(__file__).resolve().parents[1] / "src/wnw_exp/calibration/shipped/tiny_random.json"
 HAS_CUDA = torch.cuda.is_available()
@@ -559,7 +560,7 @@ def _run_config(tmp_path, *overrides):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
+    conf = str(conf_dir())
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         cfg = compose("config", overrides=["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=9",
                                            f"dataset.cache_dir={tmp_path / 'cache'}", *overrides])

@@ -18,8 +18,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from wnw_exp.engine.runner import run
+from wnw_exp.paths import conf_dir
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 SHORT = ["model=tiny_random", "method=full", "dataset.min_seconds=3", "dataset.max_seconds=4"]
 
 

@@ -15,9 +15,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from wnw_exp.cli.summary import run_summary, sweep_summary, swept_values, table
-from wnw_exp.cli.sweep import full_runs_once, sweep_axes
+from wnw_exp.cli.sweep import retention_free_runs_once, sweep_axes
+from wnw_exp.paths import conf_dir
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = conf_dir()
 TINY = ["model=tiny_random", "dataset.min_seconds=3", "dataset.max_seconds=4", "model.max_new_tokens_per_second=1",
         "model.min_new_tokens=4", "dataset.n=2"]
 
@@ -103,7 +104,7 @@ def test_parallel_jobs_run_in_two_worker_processes_and_reach_the_table(tmp_path)
     assert sorted(re.findall(r"\[\d/2\] tiny_random", out.stdout)) == ["[1/2] tiny_random", "[2/2] tiny_random"], out.stdout
 
 
-def test_full_runs_once_on_composed_configs():
+def test_retention_free_runs_once_on_composed_configs():
     jobs = [["method=full", "retention=0.2", "seed=0"], ["method=full", "retention=0.4", "seed=0"],
             ["method=adakv", "retention=0.2", "seed=0"], ["method=full", "retention=0.2", "seed=1"],
             ["seed=0"]]  # the default method (wnw)
@@ -112,7 +113,7 @@ def test_full_runs_once_on_composed_configs():
             cfg = compose("config", overrides=job)
             return cfg.method.name, cfg.retention
 
-        kept, notes = full_runs_once(jobs, composed)
+        kept, notes = retention_free_runs_once(jobs, composed)
         assert kept == [["method=full", "seed=0", "retention=1.0"], ["method=adakv", "retention=0.2", "seed=0"],
                         ["method=full", "seed=1", "retention=1.0"], ["seed=0"]]
         assert notes == ["method=full keeps every audio position: its jobs at retention 0.2, 0.4 run at "
@@ -121,7 +122,7 @@ def test_full_runs_once_on_composed_configs():
         from test_report import _sweep_jobs
 
         main = _sweep_jobs("main")
-        kept, _ = full_runs_once(main, composed)
+        kept, _ = retention_free_runs_once(main, composed)
         assert len(main) == 40 and len(kept) == 4 * 4 * 2 + 2
         assert sorted(" ".join(sorted(j)) for j in kept if "method=full" in j) == [
             "+experiment=main dataset.split=test-clean method=full retention=1.0",

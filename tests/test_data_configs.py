@@ -1,12 +1,11 @@
-from pathlib import Path
-
 import pytest
 from omegaconf import OmegaConf
 
 from wnw_exp.data import READERS, build_dataset
 from wnw_exp.data.synthetic import SyntheticDataset
+from wnw_exp.paths import conf_dir
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "dataset"
+CONF = conf_dir() / "dataset"
 
 
 @pytest.mark.parametrize("name", sorted(READERS))

@@ -6,8 +6,8 @@ from wnw_exp.data.synthetic import (
     DEFAULT_VOICES,
     SyntheticDataset,
     synthesize_clip,
-    vocabulary,
 )
+from wnw_exp.vocabulary import vocabulary
 
 SHORT = dict(min_seconds=3.0, max_seconds=5.0)
 

@@ -16,8 +16,9 @@ from omegaconf import OmegaConf
 
 from wnw_exp.rundir import read_predictions
 from wnw_exp.engine.runner import run
+from wnw_exp.paths import conf_dir
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 
 
 def config(*overrides):

@@ -4,7 +4,6 @@ ArkVale's recall)."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from wnw_exp.methods.affpool import keep_ratio, merge_threshold, run_groups
 from wnw_exp.methods.arkvale import key_digests, page_scores
 from wnw_exp.methods.scoring import (adakv_capacities, balanced_bounds, group_mean, keep_top, pool1d, top_masks,
                                      snapkv_scores, spread_budget, window_mean)
+from wnw_exp.paths import conf_dir
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
+CONF = conf_dir() / "method"
 METHODS = ["adakv", "arkvale", "affpool"]
 N_NEW = 12
 
@@ -243,8 +243,14 @@ def test_gqa_and_mrope_backbone_runs_on_target(name):
 
 
 # --- ArkVale's step 5 on the device = the per-head host rule ----------------------------------------------
-def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, seed=0, device="cpu"):
-    """The same ArkVale placement on the reference store (host rule) and on the packed store (device rule)."""
+def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, seed=0, device="cpu",
+                  stores=("reference", "packed"), tied_pages=False):
+    """The same ArkVale placement on two stores: by default the reference store (host rule) and the packed store
+    (device rule); "torch"/"triton": the packed store with those kernels. `tied_pages`: the audio keys repeat the
+    first key of each run of 57 positions, so that the pages inside a run have equal digests (and any query gives
+    them equal scores)."""
+    import functools
+
     from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.kv.reference import AudioKVStore
     from wnw_exp.methods.base import PrefillScores
@@ -253,10 +259,16 @@ def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, s
     g = torch.Generator().manual_seed(seed)
     ctx = SampleContext(n_layers=layers, n_q_heads=heads * group, n_kv_heads=heads, head_dim=d, token_rate=12.5,
                         n_audio=n_audio, retention=retention, device=device)
-    k = torch.randn(layers, heads, n_audio + 3, d, generator=g).to(device)
+    k = torch.randn(layers, heads, n_audio + 3, d, generator=g)
+    if tied_pages:
+        k[:, :, 1:1 + n_audio] = k[:, :, 1 + torch.arange(n_audio) // 57 * 57]
+    k = k.to(device)
     post = torch.rand(layers, heads * group, 2, n_audio, generator=g).to(device)
+    kinds = dict(reference=AudioKVStore, packed=PackedAudioKVStore,
+                 torch=functools.partial(PackedAudioKVStore, kernels="torch"),
+                 triton=functools.partial(PackedAudioKVStore, kernels="triton"))
     pair = []
-    for cls in (AudioKVStore, PackedAudioKVStore):
+    for cls in (kinds[name] for name in stores):
         store = cls(layers, heads, d, n_audio, device, torch.float32, dense_capacity=16)
         policy = build_policy(method_cfg("arkvale"), {})
         policy.start(ctx, store)
@@ -276,7 +288,7 @@ def _resident(store, layer, head):
 
 def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
     """Step 5 for every head at once on tensors (`swap_pages`, what the packed store's runs use) chooses the pages
-    of the per-head host rule (`_swap_head`, torch.topk), step by step, and the stores then hold the same positions."""
+    of the per-head host rule (`swap_head`, torch.topk), step by step, and the stores then hold the same positions."""
     (host, ref), (dev, packed) = _arkvale_pair()
     assert not host.on_device and dev.on_device
     g = torch.Generator().manual_seed(5)
@@ -285,7 +297,7 @@ def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
     for step in range(8):
         for li in range(2):
             scores = torch.randn(2, n_pages, generator=g)  # distinct values: both rules have one answer
-            want = [host._swap_head(li, h, scores[h]) for h in range(2)]
+            want = [host.swap_head(li, h, scores[h]) for h in range(2)]
             victims, missing = dev.swap_pages(li, scores.clone())
             for h, (v, m) in enumerate(want):
                 assert victims[h].nonzero().flatten().tolist() == sorted(v.tolist())
@@ -308,8 +320,9 @@ def test_arkvale_swaps_the_same_pages_on_the_device_as_on_the_host():
 
 def test_arkvale_swap_kernel_is_swap_pages_and_its_queueing():
     """The one-kernel swap of the packed store's Triton path (methods/arkvale/kernels.py, in Triton's interpreter
-    without CUDA) = `swap_pages` plus its store calls: the same page scores, the same pages, the same queued
-    positions, the same resident pages; ties (equal scores) broken alike."""
+    without CUDA) = `swap_pages` plus its store calls (the packed store's PyTorch path), step by step through
+    `before_attention`: the same resident pages, the same positions on the device, the same recalled pages; on
+    random keys, and on keys whose pages tie in pairs (ties broken alike)."""
     import importlib.util
     import os
 
@@ -317,38 +330,22 @@ def test_arkvale_swap_kernel_is_swap_pages_and_its_queueing():
         pytest.skip("triton is not installed (optional `gpu` extra)")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1")
-    from wnw_exp.methods.arkvale.kernels import swap
 
     # on a GPU the compiled kernel (CUDA tensors); without one, Triton's interpreter on CPU tensors
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-    (_, ref), (dev, packed) = _arkvale_pair(seed=2, device=device)
-    kern_policy, kern_store = _arkvale_pair(seed=2, device=device)[1]
     g = torch.Generator().manual_seed(9)
-    H, n_pages = 2, len(dev.bounds) - 1
-    for step in range(6):
-        for li in range(2):
-            q = torch.randn(4, 8, generator=g).to(device)
-            hi, lo = dev.digests[li]
-            want = page_scores(q.view(H, 2, -1), hi, lo)
-            scratch: dict = {}
-            if step % 2:  # tied scores: whole runs of equal values
-                want = torch.randint(0, 3, (H, n_pages), generator=g).float().to(device)
-                swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
-                     kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch, scores=want)
-            else:
-                swap(q, hi, lo, kern_policy.resident[li], kern_policy._k[li], kern_policy._budget[li],
-                     kern_policy._page_of, kern_store, li, kern_policy._recalled, scratch)
-                torch.testing.assert_close(scratch["scores"][:, :n_pages], want, rtol=1e-5, atol=1e-5)
-                want = scratch["scores"][:, :n_pages].clone()  # the selection on the kernel's own scores
-            victims, missing = dev.swap_pages(li, want)
-            rows = dev._head + li * H
-            packed.release(rows, dev._pos, select=victims[:, dev._page_of])
-            packed.recall(rows, dev._pos, select=missing[:, dev._page_of])
-            dev._recalled += missing.sum()
-            assert torch.equal(kern_store.queued_recall, packed.queued_recall)
-            assert torch.equal(kern_store.queued_release, packed.queued_release)
-            assert torch.equal(kern_policy.resident[li], dev.resident[li])
-            packed.flush(li)
-            kern_store.flush(li)
-            assert torch.equal(kern_store.slot_of, packed.slot_of)
-    assert int(kern_policy._recalled) == int(dev._recalled) > 0
+    for ties in (False, True):
+        (spec, spec_store), (kern, kern_store) = _arkvale_pair(seed=2, device=device, stores=("torch", "triton"),
+                                                               tied_pages=ties)
+        for step in range(6):
+            for li in range(2):
+                q = torch.randn(4, 8, generator=g)
+                if ties:  # the premise: every head's pages score in tied pairs
+                    hi, lo = spec.digests[li]
+                    scores = page_scores(q.to(device).view(2, 2, -1), hi, lo)
+                    assert all(len(set(row.tolist())) <= (len(row) + 1) // 2 for row in scores), scores
+                spec.before_attention(li, q.to(device))
+                kern.before_attention(li, q.to(device))
+                assert torch.equal(kern.resident[li], spec.resident[li]), (ties, step, li)
+                assert torch.equal(kern_store.slot_of, spec_store.slot_of), (ties, step, li)
+        assert kern.knobs() == spec.knobs() and spec.knobs()["recalled_pages"] > 0

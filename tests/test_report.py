@@ -18,6 +18,7 @@ from wnw_exp.report.build import build_report
 from wnw_exp.report.collect import Run, collect_runs, to_frame
 from wnw_exp.report.specs import Cell, Matcher
 from wnw_exp.report.tables import table5, to_latex, to_markdown
+from wnw_exp.paths import conf_dir
 
 BIN = Path(sys.executable).parent
 SMALL = ["model=tiny_random", "dataset.min_seconds=4", "dataset.max_seconds=5", "model.max_new_tokens_per_second=1",
@@ -287,7 +288,7 @@ def test_an_interrupted_run_is_marked_incomplete(tmp_path):
 
 
 # --- the experiment configs ------------------------------------------------------------------------------------
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = conf_dir()
 EXPERIMENTS = ["main", "affpool", "generalisation", "ablation_a1", "ablation_a2", "ablation_a3", "sensitivity",
                "scaling_24b", "calibration_robustness", "runtime", "oracle"]
 

@@ -67,21 +67,17 @@ def test_a_new_method_shows_up_in_tables_and_figures(monkeypatch):
 
     monkeypatch.setitem(REGISTRY, "snapkv", SnapKV)
     monkeypatch.setitem(REGISTRY, "quest", Quest)
-    methods._registered.cache_clear()
-    try:
-        styles = {s.name: s for s in methods.method_styles()}
-        assert styles["snapkv"].label == "SnapKV" and styles["snapkv"].role == "method"
-        assert styles["snapkv"].color not in {s.color for n, s in styles.items() if n != "snapkv"}
-        assert styles["quest"].label == "Quest (page recall)" and styles["quest"].color == "tab:cyan"
-        assert [s.name for s in methods.method_styles()][-1] == "oracle"
-        runs = paper_runs() + [fake_run("snapkv", 0.2, 42.0)]
-        m = Matcher(runs, DEFAULTS)
-        md = to_markdown(table5(m, ["voxtral"]))
-        assert "| SnapKV |  |  |  | 42.00 |" in md and "| Quest (page recall) |" in md
-        curves, _ = figure3_curves(m, "voxtral")
-        assert [c.points for c in curves if c.style.name == "snapkv"] == [[(0.2, 0.2, 42.0)]]
-    finally:
-        methods._registered.cache_clear()
+    styles = {s.name: s for s in methods.method_styles()}
+    assert styles["snapkv"].label == "SnapKV" and styles["snapkv"].role == "method"
+    assert styles["snapkv"].color not in {s.color for n, s in styles.items() if n != "snapkv"}
+    assert styles["quest"].label == "Quest (page recall)" and styles["quest"].color == "tab:cyan"
+    assert [s.name for s in methods.method_styles()][-1] == "oracle"
+    runs = paper_runs() + [fake_run("snapkv", 0.2, 42.0)]
+    m = Matcher(runs, DEFAULTS)
+    md = to_markdown(table5(m, ["voxtral"]))
+    assert "| SnapKV |  |  |  | 42.00 |" in md and "| Quest (page recall) |" in md
+    curves, _ = figure3_curves(m, "voxtral")
+    assert [c.points for c in curves if c.style.name == "snapkv"] == [[(0.2, 0.2, 42.0)]]
 
 
 def test_table5_full_row_and_the_oracle_bound():

@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 from wnw_exp.rundir import identity, identity_hash, read_predictions
 from wnw_exp.engine.runner import run
 from wnw_exp.report.collect import collect_runs
+from wnw_exp.paths import conf_dir
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 SHIPPED = Path(__file__).resolve().parents[1] / "src/wnw_exp/calibration/shipped/tiny_random.json"
 TINY = ["model=tiny_random", "model.max_new_tokens_per_second=1", "model.min_new_tokens=4"]
 SHORT = [*TINY, "dataset.min_seconds=3", "dataset.max_seconds=4"]

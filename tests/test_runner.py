@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 from wnw_exp.backbones import WeightsNotFoundError, load_backbone
 from wnw_exp.rundir import read_predictions
 from wnw_exp.engine.runner import run
+from wnw_exp.paths import conf_dir
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(conf_dir())
 SHORT = ["model=tiny_random", "method=full", "dataset.min_seconds=3", "dataset.max_seconds=5"]
 
 

@@ -237,11 +237,11 @@ def test_chunk_swap_recall_timing_delta_lag_and_cpu_copy():
     assert store.steps[-1].h2d_bytes == 10 * 4 * 4 * 2  # 10 positions, K and V, float32, D=4
     # the accumulator was reset: a new focus on chunk 5 (segments 5, 6) is not mixed with step 0's
     assert step(1, 50) == set(seg(3) + seg(4) + seg(5) + seg(6))
-    assert policy._trace["selected_chunks"] == [[3], [5]]
+    assert policy.trace()["wnw"]["selected_chunks"] == [[3], [5]]
     # segments 3, 4 unselected at steps 1, 2, 3: released after the 3rd (delta = 3)
     assert step(2, 50) == set(seg(3) + seg(4) + seg(5) + seg(6))
     assert step(3, 50) == set(seg(5) + seg(6))
-    assert policy._trace["released_segments"][-1] == [3, 4]
+    assert policy.trace()["wnw"]["released_segments"][-1] == [3, 4]
     # the host copy persists: CPU tier unchanged, and the segment can be recalled again
     assert torch.equal(store.heads[1][1].cpu_pos, cpu_before)
     assert step(4, 40) == set(seg(4) + seg(5) + seg(6))  # chunk 4 = segments 4, 5: only 4 is new
@@ -279,7 +279,7 @@ def test_all_voice_heads_with_large_lambda_is_full_cache():
         assert torch.equal(a, b)
     assert ours.store_summary["r_gpu"] == 1.0 and ours.store_summary["mb_per_step"] == 0
     # the swap ran, with nothing to move: once from the prompt's last row, then after each of the 31 decode steps
-    assert len(wnw._trace["selected_chunks"]) == 1 + 31
+    assert len(ours.trace["wnw"]["selected_chunks"]) == 1 + 31
 
 
 def test_wnw_meets_the_prefill_target_on_a_tiny_model():
@@ -318,10 +318,18 @@ def test_wnw_budgets_each_samples_expected_recall():
 def test_mobility_comes_from_the_calibration_when_it_matches():
     vs = np.array([[1.0, 0.2], [0.1, 0.5]])
     measured = dict(value=0.2, signal="vs_hs", **triage.DEFAULT_SWAP)
-    assert WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured))._mobility() == (0.2, "calibration")
-    assert WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured), delta=2)._mobility() == \
+
+    def mobility(policy: WnW) -> tuple[float, str]:
+        """The mobility a sample runs with, and where it came from (set when the sample starts)."""
+        ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=200,
+                            retention=0.9, device=torch.device("cpu"))
+        policy.start(ctx, AudioKVStore(2, 2, 4, 200, torch.device("cpu"), torch.float32, dense_capacity=16))
+        return policy.mobility, policy.mobility_source
+
+    assert mobility(WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured))) == (0.2, "calibration")
+    assert mobility(WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured), delta=2)) == \
         (DEFAULT_MOBILITY, "default")
-    assert WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured), mobility=0.7)._mobility() == \
+    assert mobility(WnW(scores=scores_for(vs, np.ones((2, 2)), swap_mobility=measured), mobility=0.7)) == \
         (0.7, "config")
     with pytest.raises(ValueError, match="mobility"):
         WnW(scores=scores_for(vs, np.ones((2, 2))), mobility=2)
@@ -405,7 +413,7 @@ def test_swap_starts_from_the_anchor_attention_of_the_prompts_last_row():
     assert trace["selected_chunks"][0] == ref
     assert len(trace["selected_chunks"]) == len(res.tokens)  # the prefill decision, then one per decode step
     wnw_d, res_d = runs["decode"]
-    assert len(wnw_d._trace["selected_chunks"]) == len(res_d.tokens) - 1
+    assert len(res_d.trace["wnw"]["selected_chunks"]) == len(res_d.tokens) - 1
     # the first token comes from prefill in both; decode step 0 (the second token's logits) already attends to
     # the recalled segments only when the swap starts from the prompt's last row
     assert torch.equal(res.logits[0], res_d.logits[0])
@@ -560,7 +568,7 @@ def _triton_stream_sets(lengths, n_sets):
             policy, store = make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="triton"),
                                         dense_capacity=32)
             store.compact(headroom=policy.recall_headroom)
-            assert policy.on_device and policy._fused_swap is not None
+            assert policy.on_device
             streams.append((policy, store))
         sets.append(streams)
     return sets
@@ -577,34 +585,42 @@ def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kerne
 
     from wnw_exp.methods.wnw import triton_swap
 
-    if fails:
-        def broken(self, scores):
+    launches = []
+    decide = triton_swap.FusedChunkSwap.__call__
+
+    def counted(self, scores):
+        launches.append(1)
+        if fails:
             raise RuntimeError("no kernel for this GPU")
-        monkeypatch.setattr(triton_swap.FusedChunkSwap, "__call__", broken)
+        return decide(self, scores)
+
+    monkeypatch.setattr(triton_swap.FusedChunkSwap, "__call__", counted)
     with w.catch_warnings(record=True) as caught:
         w.simplefilter("always")
         host, ref, dev, packed, held = _drive(1, steps=12, kernels="triton")
     assert all(a == b for a, b in held)
     assert dev.trace() == host.trace()
     fell_back = [x for x in caught if "one-launch chunk swap failed" in str(x.message)]
-    assert len(fell_back) == (1 if fails else 0) and (dev._fused_swap is None) == fails
+    # every decision in one launch; or one failed try, then the PyTorch decision for good (no second try, no warning)
+    assert (len(launches), len(fell_back)) == ((1, 1) if fails else (12, 0))
 
 
-def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone():
+def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone(monkeypatch):
     """Three WnW streams of different audio lengths (packed stores with Triton kernels, Triton's interpreter on the
-    CPU), four ways each step: each stream's own one-launch decision and its store's one-launch queueing (what a
-    captured step runs); the batch's decisions in one launch and its queueing in another (`ChunkSwapTables`, what a
-    captured batched step runs); `WnW.after_step_all` eagerly (the batch's warm-up steps); each policy's own
-    `after_step`. The same chosen chunks, masks, records, counters, segment states, zeroed scores and queues in all
-    four, step by step, the stores flushed between steps."""
+    CPU), four ways each step: each policy's `after_step` as inside a graph capture (its one-launch decision and its
+    store's one-launch queueing, what a captured step runs); `WnW.after_step_all` as inside a capture (the batch's
+    decisions in one launch and its queueing in another, `ChunkSwapTables`: what a captured batched step runs);
+    `WnW.after_step_all` eagerly (the batch's warm-up steps); each policy's own `after_step`. The same decisions
+    (the recorded trace), segment states, zeroed scores and queues in all four, step by step, the stores flushed
+    between steps. (The capture is simulated: the CPU has none.)"""
     _needs_triton_interpreter()
-    from wnw_exp.kv import triton_moves
-    from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
+    import wnw_exp.kv.packed as packed
 
     lengths = (100, 70, 130)
     sets = _triton_stream_sets(lengths, 4)
     alone, tables, together, own = sets
     held: dict = {}
+    captured_held: dict = {}
     made = []
     g = torch.Generator().manual_seed(5)
     for step in range(10):
@@ -614,14 +630,11 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone():
             p[:, start:start + 20] = 0.05 + 0.01 * b
             for streams in sets:
                 streams[b][0].observe(0, p.clone())
-        for policy, store in alone:
-            _, recall, release = policy._fused_swap(policy.scores_acc)
-            rows, pos, seg = policy._host_pairs()
-            triton_moves.queue_segments(rows, pos, seg, recall, release, store.slot_of, store.on_host,
-                                        store.queued_recall, store.queued_release)
-        t = ChunkSwapTables([(p._fused_swap, p.scores_acc, (s, p._host_pairs())) for p, s in tables], torch.device("cpu"))
-        t.decide()
-        t.queue()
+        with monkeypatch.context() as capture:
+            capture.setattr(packed, "_capturing", lambda: True)
+            for policy, _ in alone:
+                policy.after_step(None)  # a captured step has no step number
+            WnW.after_step_all([p for p, _ in tables], [None] * len(lengths), captured_held)
         WnW.after_step_all([p for p, _ in together], [step] * len(lengths), held)
         made.append(held["swap_tables"])
         for policy, _ in own:
@@ -629,15 +642,14 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone():
         for b in range(len(lengths)):
             (pa, sa), *rest = [streams[b] for streams in sets]
             assert sa.queued_recall.any() or sa.queued_release.any() or step > 0
+            trace = pa.trace()["wnw"]
+            assert len(trace["selected_chunks"]) == step + 1
             for pb, sb in rest:
                 assert torch.equal(sa.queued_recall, sb.queued_recall) and torch.equal(sa.queued_release, sb.queued_release)
-                assert int(pa._t) == int(pb._t) == step + 1 and not pb.scores_acc.any()
-                for name in pa._rec:
-                    assert torch.equal(pa._rec[name], pb._rec[name]), (step, b, name)
+                assert pb.trace()["wnw"] == trace, (step, b)
+                assert not pb.scores_acc.any()
                 for name in ("recalled", "unselected"):
                     assert torch.equal(getattr(pa.device_swap, name), getattr(pb.device_swap, name))
-                for name in ("selected", "recall", "release"):
-                    assert torch.equal(getattr(pa._fused_swap, name), getattr(pb._fused_swap, name))
         for streams in sets:
             for _, store in streams:
                 store.end_step()
@@ -646,8 +658,10 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone():
             for streams in sets[1:]:
                 assert torch.equal(sa.slot_of, streams[b][1].slot_of)
     assert all(m is made[0] for m in made)  # the batch's tables are made once
+    assert "swap_tables" in captured_held  # the captured batch decided in one launch too
     for policy, _ in alone:
-        assert policy._rec["recall"].any() and policy._rec["release"].any()
+        trace = policy.trace()["wnw"]
+        assert any(trace["recalled_segments"]) and any(trace["released_segments"])
 
 
 def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_kernel_fails(monkeypatch):
@@ -662,12 +676,19 @@ def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_k
     def broken(self):
         raise RuntimeError("no kernel for this GPU")
 
+    import functools
+
+    from wnw_exp.kv.packed import PackedAudioKVStore
+
     monkeypatch.setattr(triton_swap.ChunkSwapTables, "decide", broken)
     lengths = (100, 70)
-    sets = _triton_stream_sets(lengths, 2)
-    batch, own = sets
-    for policy, _ in own:
-        policy._fused_swap = None  # the PyTorch decision
+    batch = _triton_stream_sets(lengths, 1)[0]
+    # the same streams on stores with PyTorch kernels: the PyTorch decision
+    own = [make_policy(n, delta=2, store_cls=functools.partial(PackedAudioKVStore, kernels="torch"), dense_capacity=32)
+           for n in lengths]
+    for policy, store in own:
+        store.compact(headroom=policy.recall_headroom)
+    sets = [batch, own]
     held: dict = {}
     with w.catch_warnings(record=True) as caught:
         w.simplefilter("always")
@@ -680,13 +701,14 @@ def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_k
                 policy.after_step(step)
             for (pa, sa), (pb, sb) in zip(batch, own):
                 assert torch.equal(sa.queued_recall, sb.queued_recall) and torch.equal(sa.queued_release, sb.queued_release)
-                assert all(torch.equal(pa._rec[k], pb._rec[k]) for k in pa._rec) and int(pa._t) == step + 1
+                assert pa.trace()["wnw"] == pb.trace()["wnw"] and len(pa.trace()["wnw"]["selected_chunks"]) == step + 1
             for streams in sets:
                 for _, store in streams:
                     store.end_step()
+    # one warning in six steps: after the failure the batch's policies decide on their own for good
     assert len([x for x in caught if "one-launch chunk swap failed" in str(x.message)]) == 1
-    assert all(p._fused_swap is None for p, _ in batch) and "swap_tables" not in held
-    assert batch[0][0]._rec["recall"].any()
+    assert "swap_tables" not in held
+    assert any(batch[0][0].trace()["wnw"]["recalled_segments"])
 
 
 def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
@@ -699,15 +721,15 @@ def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
     class Scripted(WnW):
         def _adjust_signal(self, step):
             if step != -1:
-                start = int(self._s) * 7 % (self.ctx.n_audio - 20)
+                start = int(self.focus_step) * 7 % (self.ctx.n_audio - 20)
                 self.scores_acc[start:start + 20] += 1.0
-                self._s += 1
+                self.focus_step += 1
 
     lengths = (100, 130)
     sets = _triton_stream_sets(lengths, 2)
     for policy, _ in sets[0] + sets[1]:
         policy.__class__ = Scripted
-        policy._s = torch.zeros((), dtype=torch.long)
+        policy.focus_step = torch.zeros((), dtype=torch.long)
     batch, own = sets
     held: dict = {}
     for step in range(8):
@@ -715,12 +737,12 @@ def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
         for p, _ in own:
             p.after_step(step)
         for (pa, sa), (pb, sb) in zip(batch, own):
-            assert int(pa._s) == int(pb._s) == step + 1
+            assert int(pa.focus_step) == int(pb.focus_step) == step + 1
             assert torch.equal(sa.queued_recall, sb.queued_recall) and torch.equal(sa.queued_release, sb.queued_release)
-            for name in pa._rec:
-                assert torch.equal(pa._rec[name], pb._rec[name]), (step, name)
+            assert pa.trace()["wnw"] == pb.trace()["wnw"], step
         for streams in sets:
             for _, store in streams:
                 store.end_step()
     assert "swap_tables" in held  # the batch decided in one launch
-    assert all(p._rec["recall"].any() for p, _ in batch)  # the scripted focus moved, so segments were recalled
+    # the scripted focus moved, so segments were recalled
+    assert all(any(p.trace()["wnw"]["recalled_segments"]) for p, _ in batch)

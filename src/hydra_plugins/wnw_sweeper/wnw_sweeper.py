@@ -1,7 +1,7 @@
 """The sweeper of `wnw-run -m` (conf/hydra/sweeper/wnw.yaml): Hydra's basic sweeper plus two things.
 
-- Full Cache runs once whatever the retentions swept (wnw_exp.cli.sweep.full_runs_once), decided on each job's
-  composed config before anything is launched.
+- Full Cache runs once whatever the retentions swept (wnw_exp.cli.sweep.retention_free_runs_once), decided on each
+  job's composed config before anything is launched.
 - When every job has ended, one table with a row per job (wnw_exp.cli.summary), with each job's run directory.
 
 Hydra loads sweepers only from the `hydra_plugins` namespace, hence this file; it imports nothing heavy (Hydra
@@ -19,10 +19,10 @@ from hydra.core.override_parser.types import Override
 
 class WnwSweeper(BasicSweeper):
     def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
-        from wnw_exp.cli.sweep import SWEEP_AXES_ENV, SWEEP_SIZE_ENV, full_runs_once, sweep_axes
+        from wnw_exp.cli.sweep import SWEEP_AXES_ENV, SWEEP_SIZE_ENV, retention_free_runs_once, sweep_axes
 
         (jobs,) = BasicSweeper.split_arguments(overrides, None)
-        jobs, notes = full_runs_once(jobs, self._method_and_retention)
+        jobs, notes = retention_free_runs_once(jobs, self._method_and_retention)
         for note in notes:
             print(f"wnw-run: {note}", flush=True)
         # what each job's line says of the sweep (the jobs inherit the environment, in worker processes too)

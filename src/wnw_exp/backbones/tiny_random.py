@@ -26,7 +26,7 @@ def tiny_voxtral_config(vocab_size: int, *, layers: int = 3, q_heads: int = 8, k
 
 
 def build_tiny_random(cfg: dict) -> VoxtralBackbone:
-    from wnw_exp.data.synthetic import DEFAULT_VOCAB_SIZE, vocabulary
+    from wnw_exp.vocabulary import DEFAULT_VOCAB_SIZE, vocabulary
 
     tokenizer = build_word_tokenizer(vocabulary("en", int(cfg.get("vocab_size") or DEFAULT_VOCAB_SIZE)))
     config = tiny_voxtral_config(len(tokenizer), layers=cfg.get("layers", 3), q_heads=cfg.get("q_heads", 8),

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from wnw_exp.backbones.base import WeightsNotFoundError
+from wnw_exp.paths import cache_root
 from wnw_exp.shipped_weights import WHISPER_SMOLLM2_DIR as TRAINED_DIR  # the trained projector (+ LoRA), its record
 
 NAME = "whisper_smollm2"
@@ -48,8 +49,6 @@ ENCODER_CONFIG = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers
 
 
 def pretrained_cache() -> Path:
-    from wnw_exp.data.synthetic import cache_root
-
     return cache_root() / "pretrained"
 
 

@@ -2,7 +2,7 @@
 
 The special tokens mirror the Voxtral/Mistral transcription prompt
 (`<s>[INST][BEGIN_AUDIO][AUDIO]...[/INST][TRANSCRIBE]`) so the tiny models go through the same
-prompt structure as Voxtral-Mini-3B; the words are the synthetic data set's vocabulary.
+prompt structure as Voxtral-Mini-3B; the words are `wnw_exp.vocabulary` (the synthetic data set speaks the same).
 """
 
 from __future__ import annotations

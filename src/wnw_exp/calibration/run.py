@@ -17,7 +17,7 @@ from tqdm import tqdm
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.calibration.alignment import build_aligner
 from wnw_exp.head_scores import HeadScores, code_version
-from wnw_exp.methods.wnw import triage
+from wnw_exp.methods import registered_methods
 from wnw_exp.calibration.scores import (answer_token_words, default_k_top, group_mean, score_sample,
                                         token_audio_spans)
 from wnw_exp.engine.decode import generate, max_new_tokens_for
@@ -28,9 +28,9 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
               recall_samples: int | None = None, max_new_tokens: Callable[[float], int] | None = None,
               progress: bool = True, log: Path | None = None) -> tuple[HeadScores, list[dict]]:
     """Head scores of `backbone` over `dataset`, word spans from `aligner`. Returns the scores and one
-    record per sample (tokens counted, seconds). The first `recall_samples` samples (None: all) are then decoded
-    with WnW to measure how fast its anchors' attention moves (`measure_swap_mobility`);
-    `max_new_tokens(duration_s)` caps them."""
+    record per sample (tokens counted, seconds). Then each method measures what it needs from the head scores
+    (`Policy.calibrate`; WnW: how fast its anchors' attention moves) on the first `recall_samples` samples (None:
+    all), decoding them with at most `max_new_tokens(duration_s)` tokens."""
     k = default_k_top(backbone.token_rate) if k_top in (None, "auto") else int(k_top)
     hits, sens, records, forced, stats = [], [], [], [], []
     n_vs = n_hs = 0
@@ -81,45 +81,13 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
     if forced and max_new_tokens is not None:
-        scores.calibration["swap_mobility"] = measure_swap_mobility(backbone, forced, scores, max_new_tokens,
-                                                                    progress=progress)
+        def decode(policy, prompt, retention: float, seconds: float):
+            return generate(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens(seconds))
+
+        for cls in registered_methods().values():
+            if "calibrate" in vars(cls):  # each hook once, not again for a method that inherits it
+                scores.calibration.update(cls.calibrate(scores, forced, decode, info, progress=progress))
     return scores, records
-
-
-def measure_swap_mobility(backbone, prompts: list, scores: HeadScores, max_new_tokens: Callable[[float], int],
-                          retention: float = 0.2, progress: bool = False) -> dict:
-    """The mobility constant of WnW's recall estimate (`triage.expected_resident_segments`), measured.
-
-    The prompts (with their audio durations) are decoded greedily by the engine with WnW at `retention`
-    (default triage and chunk swap settings; lambda solved as a run solves it, with the default mobility
-    since `scores` has no measurement yet). For each sample the number of recalled segments, averaged over
-    decode steps, is mapped back to a mobility through the sample's own bounds (`triage.mobility_of`);
-    the value is the mean over samples. WnW's `lam: auto` then charges each sample the recall this
-    mobility predicts for its length, so that the measured r_GPU, not only the prefill one, matches the
-    target (§3.4 chooses lambda "so that the measured r_GPU matches each target" on the calibration set).
-    """
-    from wnw_exp.methods.wnw import WnW
-
-    policy = WnW(scores=scores, mobility="auto", backbone_info=backbone.describe())
-    per_sample, resident, r_gpu, expected = [], [], [], []
-    for prompt, duration in tqdm(prompts, desc="swap mobility", disable=not progress, unit="sample"):
-        res = generate(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens(duration))
-        counts = res.trace["wnw"]["resident_segments"]
-        if not counts:
-            continue
-        mu = triage.mobility_of(float(np.mean(counts)), prompt.n_audio, policy.n_s, policy.n_c, policy.top_k,
-                                policy.delta)
-        if mu is None:
-            continue
-        per_sample.append(mu)
-        resident.append(float(np.mean(counts)))
-        r_gpu.append(res.store_summary["r_gpu"])
-        expected.append(policy.expected_r_gpu)
-    mean = lambda xs: float(np.mean(xs)) if xs else None  # noqa: E731
-    return dict(value=mean(per_sample), n_samples=len(per_sample), per_sample=per_sample,
-                mean_resident_segments=resident, retention=retention, n_anchor=policy.n_anchor,
-                prior=policy.mobility, measured_r_gpu=mean(r_gpu), expected_r_gpu=mean(expected), signal="vs_hs",
-                **triage.DEFAULT_SWAP)
 
 
 def run_calibration(cfg: dict, output: Path, progress: bool = True) -> HeadScores:

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"({', '.join(ROLES)}); default: "
                         + ", ".join(f"{k}={v}" for k, v in DEFAULT_STAND_IN.items()))
     p.add_argument("--conf", default=None, help="the conf/ folder whose method defaults tell main-table runs "
-                                                "from ablation runs (default: the repository's)")
+                                                "from ablation runs (default: the one wnw-exp ships, or $WNW_CONF)")
     p.add_argument("--figure4-sample", default=None, help="sample id for Figure 4 (default: the longest one "
                                                           "every run decoded)")
     p.add_argument("--no-figures", action="store_true", help="tables and CSV only")

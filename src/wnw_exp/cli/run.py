@@ -14,8 +14,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-# The config groups live in the repository's conf/ (the package is installed in editable mode).
-CONFIG_DIR = os.environ.get("WNW_CONF", str(Path(__file__).resolve().parents[3] / "conf"))
+from wnw_exp.paths import conf_dir
+
+CONFIG_DIR = str(conf_dir())  # the conf/ inside the package, or $WNW_CONF
 
 
 def fail(message: str) -> None:
@@ -58,17 +59,19 @@ class CheckRunsRoot(Callback):
             probe.unlink(missing_ok=True)
 
 
-class FullHasNoRetention(Callback):
-    """Full Cache keeps every audio position: a single run of method=full runs at retention=1.0, in the run
-    directory a sweep gives it (a sweep's jobs are set so by its sweeper, wnw_exp.cli.sweep)."""
+class RetentionFreeRunsAtOne(Callback):
+    """A method that keeps every audio position (its policy's `uses_retention = False`: Full Cache) runs a single
+    run at retention=1.0, in the run directory a sweep gives it (a sweep's jobs are set so by its sweeper,
+    wnw_exp.cli.sweep)."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        from wnw_exp.cli.sweep import FULL
+        from wnw_exp.cli.sweep import ignores_retention
 
-        if config.method.name == FULL and config.retention != 1.0:
+        method = config.method.name
+        if config.retention != 1.0 and ignores_retention(method):
             asked = any(o.split("=", 1)[0].lstrip("+~") == "retention" for o in config.hydra.overrides.task)
             if asked:  # a note only for a retention typed on the command line
-                print(f"wnw-run: method=full keeps every audio position: run at retention=1.0 (not "
+                print(f"wnw-run: method={method} keeps every audio position: run at retention=1.0 (not "
                       f"{config.retention})", file=sys.stderr)
             with read_write(config):
                 config.retention = 1.0

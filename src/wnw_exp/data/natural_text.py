@@ -1,15 +1,15 @@
 """Natural English text for the synthetic speech of `dataset=synthetic dataset.text=natural`.
 
-Source: passages written by SmolLM2-135M-Instruct (Apache-2.0; the decoder of `model=whisper_smollm2`)
-from fixed prompts, sampled once with a fixed seed on one H200 on 2026-12-01 (`python -m wnw_exp.data.natural_text
-generate --device cuda --batch-size 512`, torch 2.11, transformers 5.17: 3,696 passages in 131 s; then, at
-16:22 UTC, `... --splits train` after the train samples per prompt went from 3 to 6: 2,976 more train passages
-in about 100 s, appended, the earlier lines unchanged; another device or torch build samples other text) and
-shipped as `natural_text/passages.jsonl.gz` (3.1 MB; train 742k words, test 42k, calib 42k, dev 9k):
-an offline source with a clear licence, since nothing may be downloaded. The prompts combine a subject
-with a form ("a news report about ...", "a letter to a friend about ..."); the subjects are split
-between test, dev, calib and train (`SPLIT_OF_SUBJECT`), so no test, dev or calibration text is ever
-trained on, not even a passage on the same subject.
+Source: passages written by SmolLM2-135M-Instruct (Apache-2.0; the decoder of `model=whisper_smollm2`) from fixed
+prompts (written by `wnw_exp.train.natural_text`), sampled once with a fixed seed on one H200 on 2026-12-01 (`python
+-m wnw_exp.train.natural_text generate --device cuda --batch-size 512`, torch 2.11, transformers 5.17: 3,696
+passages in 131 s; then, at 16:22 UTC, `... --splits train` after the train samples per prompt went from 3 to 6:
+2,976 more train passages in about 100 s, appended, the earlier lines unchanged; another device or torch build
+samples other text) and shipped as `natural_text/passages.jsonl.gz` (3.1 MB; train 742k words, test 42k, calib 42k,
+dev 9k): an offline source with a clear licence, since nothing may be downloaded. The prompts combine a subject with
+a form ("a news report about ...", "a letter to a friend about ..."); the subjects are split between test, dev,
+calib and train (`SPLIT_OF_SUBJECT`), so no test, dev or calibration text is ever trained on, not even a passage on
+the same subject.
 
 Clean-up (`sentences`, a pure function of the raw text): markdown and list lines are dropped, the text
 is split into sentences, and a sentence is kept only if it is 3-40 words of letters with the
@@ -27,10 +27,6 @@ from pathlib import Path
 
 CORPUS = Path(__file__).parent / "natural_text" / "passages.jsonl.gz"
 
-FORMS = (
-    "a short story", "a news report", "a letter to a friend", "an explanation for a curious child",
-    "a travel diary entry", "a short speech", "a description", "a radio talk",
-)
 SUBJECTS = (
     # test (20)
     "a lighthouse keeper", "the history of bread", "how bees communicate", "a night train across the mountains",
@@ -76,27 +72,10 @@ SUBJECTS = (
 )
 SPLITS = {"test": range(0, 20), "dev": range(20, 30), "calib": range(30, 50), "train": range(50, len(SUBJECTS))}
 SPLIT_OF_SUBJECT = {SUBJECTS[i]: split for split, r in SPLITS.items() for i in r}
-SAMPLES_PER_PROMPT = {"test": 2, "dev": 1, "calib": 2, "train": 6}
 
 _ALLOWED = re.compile(r"^[A-Za-z ,.;:!?'\-]+$")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _HAS_LETTER = re.compile(r"[A-Za-z]")
-
-
-def prompts() -> list[dict]:
-    """Every (split, subject, form, sample) to generate, test first, so a partial corpus has the held-out text."""
-    out = []
-    for split in ("test", "calib", "dev", "train"):
-        for i in SPLITS[split]:
-            for form in FORMS:
-                for k in range(SAMPLES_PER_PROMPT[split]):
-                    out.append(dict(id=f"{split}-{i:03d}-{FORMS.index(form)}-{k}", split=split, subject=SUBJECTS[i],
-                                    form=form, sample=k))
-    return out
-
-
-def instruction(subject: str, form: str) -> str:
-    return f"Write {form} of about 200 words about {subject}. Use plain sentences, no lists or headings."
 
 
 def sentences(text: str) -> list[str]:
@@ -125,7 +104,7 @@ def split_sentences(split: str, corpus: str = str(CORPUS)) -> tuple[tuple[str, .
     path = Path(corpus)
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: it ships with wnw-exp (regenerate it with "
-                                "`python -m wnw_exp.data.natural_text generate`)")
+                                "`python -m wnw_exp.train.natural_text generate`)")
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -137,75 +116,3 @@ def split_sentences(split: str, corpus: str = str(CORPUS)) -> tuple[tuple[str, .
     if not out:
         raise ValueError(f"{path} holds no {split!r} passages")
     return tuple(out)
-
-
-# --- generation (once, offline) ------------------------------------------------------------------------------
-def generate(out: Path, batch_size: int = 64, max_new_tokens: int = 320, seed: int = 0, limit: int | None = None,
-             threads: int = 1, splits: tuple[str, ...] = tuple(SPLITS), device: str = "cpu") -> None:
-    """Write (append, resumable) one JSON line per prompt of `prompts()` in `splits` to `out` (gzip if it ends
-    in .gz). Sampling seeds depend on the batch, so a corpus is reproduced by the same command on the same
-    device and torch build."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from wnw_exp.backbones.whisper_smollm2 import language_model_dir
-
-    torch.set_num_threads(threads)
-    folder, source = language_model_dir()
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.padding_side = "left"
-    if tok.pad_token is None:  # some transformers versions read no pad token from the GGUF
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
-    todo = [p for p in prompts() if p["split"] in splits][:limit]
-    done = set()
-    opener = gzip.open if str(out).endswith(".gz") else open
-    if Path(out).exists():
-        with opener(out, "rt", encoding="utf-8") as f:
-            done = {json.loads(line)["id"] for line in f if line.strip()}
-    todo = [p for p in todo if p["id"] not in done]
-    for b in range(0, len(todo), batch_size):
-        batch = todo[b:b + batch_size]
-        chats = [tok.apply_chat_template([{"role": "user", "content": instruction(p["subject"], p["form"])}],
-                                         add_generation_prompt=True, tokenize=False) for p in batch]
-        enc = tok(chats, return_tensors="pt", padding=True).to(device)
-        torch.manual_seed(seed * 1_000_003 + len(done) + b)
-        with torch.no_grad():
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.8, top_p=0.9,
-                                 repetition_penalty=1.15, pad_token_id=tok.pad_token_id)
-        with opener(out, "at", encoding="utf-8") as f:
-            for p, row in zip(batch, ids[:, enc.input_ids.shape[1]:]):
-                text = tok.decode(row, skip_special_tokens=True).strip()
-                f.write(json.dumps(dict(p, text=text, source=source, device=torch.device(device).type),
-                                   ensure_ascii=False) + "\n")
-        print(f"{min(b + batch_size, len(todo))}/{len(todo)} passages", flush=True)
-
-
-def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="generate the natural-text corpus with SmolLM2 (once)")
-    ap.add_argument("command", choices=["generate", "stats"])
-    ap.add_argument("--out", type=Path, default=CORPUS)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--splits", default=",".join(SPLITS), help="comma-separated: test,dev,calib,train")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
-    if args.command == "generate":
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        generate(args.out, batch_size=args.batch_size, limit=args.limit, threads=args.threads,
-                 splits=tuple(args.splits.split(",")), device=args.device)
-    else:
-        for split in SPLITS:
-            try:
-                ps = split_sentences(split, str(args.out))
-            except ValueError:
-                continue
-            words = sum(len(s.split()) for p in ps for s in p)
-            print(f"{split}: {len(ps)} passages, {sum(map(len, ps))} sentences, {words} words")
-
-
-if __name__ == "__main__":
-    main()

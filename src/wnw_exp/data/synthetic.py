@@ -60,10 +60,12 @@ import numpy as np
 import soundfile as sf
 import soxr
 
+from wnw_exp.paths import cache_root
+from wnw_exp.vocabulary import DEFAULT_VOCAB_SIZE, vocabulary
+
 from .base import SAMPLE_RATE, Sample, Word
 from .dataset import select
 
-DEFAULT_VOCAB_SIZE = 1000
 DEFAULT_VOICES: dict[str, tuple[str, ...]] = {
     # espeak-ng "<voice file>+<variant>" names ("en" is British English; "en-gb" is not a voice name),
     # all checked to exist in the bundled data. Measured median F0: en-us/en+m3 ~105 Hz, m8 ~87 Hz,
@@ -79,47 +81,6 @@ CUT_MARGIN_SECONDS = 0.1
 SILENCE_THRESHOLD = 64  # int16 magnitude, about -54 dBFS
 SPLIT_SEED_BASE = {"test": 0, "dev": 100_000, "calib": 200_000, "train": 1_000_000}
 SYNTH_VERSION = 1  # bump when the recipe changes: it is part of the cache key
-
-# One-letter tokens of the frequency lists are mostly elision or initial fragments ("l", "d", "s");
-# only these are real words. "qu" is the fragment of "qu'" in French.
-_ONE_LETTER_WORDS = {"en": {"a", "i"}, "fr": {"a", "à", "y"}}
-_EXCLUDED = {"fr": {"qu"}}
-
-
-# --------------------------------------------------------------------------------------------
-# vocabulary
-
-
-@lru_cache(maxsize=None)
-def _vocabulary(language: str, size: int) -> tuple[str, ...]:
-    import wordfreq
-
-    n = max(2 * size, 1000)
-    while True:
-        ranked = wordfreq.top_n_list(language, n)
-        words = [
-            w
-            for w in ranked
-            if w.isalpha()
-            and w == w.lower()
-            and (len(w) > 1 or w in _ONE_LETTER_WORDS.get(language, set()))
-            and w not in _EXCLUDED.get(language, set())
-        ]
-        if len(words) >= size:
-            return tuple(words[:size])
-        if len(ranked) < n:
-            raise ValueError(f"wordfreq has only {len(words)} usable {language!r} words, asked for {size}")
-        n *= 2
-
-
-def vocabulary(language: str, size: int = DEFAULT_VOCAB_SIZE) -> list[str]:
-    """The `size` most frequent alphabetic lower-case words of `language` in wordfreq, in rank order.
-
-    Excluded: tokens with digits, apostrophes or capitals, one-letter fragments other than
-    en {a, i} / fr {a, à, y}, and French "qu". Deterministic for a given wordfreq version.
-    """
-    return list(_vocabulary(language, size))
-
 
 # --------------------------------------------------------------------------------------------
 # espeak-ng through ctypes
@@ -389,7 +350,7 @@ def _sentence_source(text: str, text_split: str | None, language: str, vocab_siz
                      rng: np.random.Generator) -> Iterator[list[str]]:
     """Endless sentences (lists of whitespace-separated words) for one clip, drawn with the clip's `rng`."""
     if text == "random":
-        vocab = _vocabulary(language, vocab_size)
+        vocab = vocabulary(language, vocab_size)
         while True:
             n_words = int(rng.integers(SENTENCE_WORDS[0], SENTENCE_WORDS[1] + 1))
             yield [vocab[k] for k in rng.integers(len(vocab), size=n_words)]
@@ -418,11 +379,6 @@ def _quantize(audio: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------
 # data set
-
-
-def cache_root() -> Path:
-    """`$WNW_CACHE` or `~/.cache/wnw_exp`."""
-    return Path(os.environ.get("WNW_CACHE") or Path.home() / ".cache" / "wnw_exp")
 
 
 @dataclass

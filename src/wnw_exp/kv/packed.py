@@ -632,6 +632,12 @@ class PackedAudioKVStore(StepAccounting):
         return self.steps[-1]
 
     @property
+    def recalled_rows(self) -> int:
+        """Audio rows recalled to the device so far, all heads (cumulative; the steps' h2d bytes count them). A host
+        read: not inside a graph capture."""
+        return int(self._recalled)
+
+    @property
     def steps(self) -> list[StepRecord]:
         n = int(self._n_rec)
         n_gpu = self._rec_n_gpu[:n].tolist()

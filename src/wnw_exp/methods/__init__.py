@@ -1,11 +1,13 @@
 """Method registry: `method.name` -> policy class. A method is one file (or package) here that registers its
-class with `@register`, plus its YAML in conf/method/; nothing else needs to know it."""
+class with `@register`, plus its YAML in conf/method/ (src/wnw_exp/conf); nothing else needs to know it."""
 
 from __future__ import annotations
 
-from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from functools import lru_cache
 
-REGISTRY: dict[str, type[Policy]] = {"full": Policy}
+from wnw_exp.methods.base import FullCache, Policy, PrefillScores, SampleContext
+
+REGISTRY: dict[str, type[Policy]] = {"full": FullCache}
 NOT_METHODS = ("base", "mismatch")  # the protocol, and the analysis wrapper (methods/mismatch.py)
 
 
@@ -21,11 +23,16 @@ def build_policy(cfg: dict, backbone_info: dict | None = None) -> Policy:
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; choose one of {sorted(REGISTRY)}")
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
-    if name == "full":
-        return Policy()
     return REGISTRY[name](**kwargs, backbone_info=backbone_info or {})
 
 
+def registered_methods() -> dict[str, type[Policy]]:
+    """Every method, by name: the policy classes of every module here (imported, so that each registers)."""
+    _import_all()
+    return dict(REGISTRY)
+
+
+@lru_cache(maxsize=1)  # the modules register once; a class registered later (a test's) is in REGISTRY all the same
 def _import_all() -> None:
     import importlib
     import pkgutil
@@ -37,4 +44,5 @@ def _import_all() -> None:
             importlib.import_module(f"wnw_exp.methods.{mod.name}")
 
 
-__all__ = ["Policy", "PrefillScores", "SampleContext", "REGISTRY", "register", "build_policy"]
+__all__ = ["FullCache", "Policy", "PrefillScores", "SampleContext", "REGISTRY", "register", "build_policy",
+           "registered_methods"]

@@ -30,6 +30,7 @@ from wnw_exp.methods.scoring import adakv_capacities, snapkv_scores, top_masks
 @dataclass(eq=False)
 class AdaKV(Policy):
     name = "adakv"
+    label, color, marker = "Ada-KV", "tab:red", "v"  # how the report shows it
 
     floor_alpha: float = 0.8  # fraction of the mean per-head budget every head is guaranteed
     kernel_size: int = 7  # pooling kernel along audio positions

@@ -102,6 +102,7 @@ def keep_ratio(retention: float, n_layers: int, n_pool: int, window: int) -> flo
 @dataclass(eq=False)
 class AffPool(Policy):
     name = "affpool"
+    label, color, marker = "AffPool", "tab:purple", "D"  # how the report shows it
     packed_store = False  # the layers' audio spans shrink: the reference store handles that
 
     window: int = 3  # longest run merged into one token by one pooling step

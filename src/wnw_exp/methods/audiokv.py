@@ -79,6 +79,7 @@ def fft_smooth(scores: torch.Tensor, alpha: float, rho: float) -> torch.Tensor:
 @register
 class AudioKV(Policy):
     name = "audiokv"
+    label, color, marker = "AudioKV", "tab:orange", "^"  # how the report shows it
 
     def __init__(self, head_scores: str | None = None, alpha: float = 0.5, rho: float = 0.7, window: int = 32,
                  baseline_ratio: float = 0.5, backbone_info: dict | None = None, scores=None):

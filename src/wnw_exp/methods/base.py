@@ -1,7 +1,9 @@
 """The policy interface: a method decides, the store executes.
 
 The engine calls these hooks at fixed points with plain tensors; a method overrides only the hooks it
-needs. `Full` is the base class itself: everything stays on the device.
+needs. The base class does nothing (everything stays on the device): `FullCache`, the reference, is it under its
+own name. A method's class attributes say what the CLI and the report need without building it: `uses_retention`,
+and how the report shows it (`label`, `color`, `marker`, `role`, `variants`).
 
 Prefill hooks (`start`, `prefill_transform`, `place`, `after_prefill`) run once per sample and may do anything.
 The decode hooks (`before_attention`, `observe`, `after_step`) run every step, and a method whose decode hooks are
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
+from wnw_exp.head_scores import HeadScores
 from wnw_exp.kv.base import KVStore
 
 
@@ -64,13 +68,30 @@ class PrefillScores:
 
 
 class Policy:
-    """Full cache: keeps every audio position on the device and never moves anything."""
+    """The protocol, and its default: keeps every audio position on the device and never moves anything."""
 
     name = "full"
+    uses_retention = True  # False: the method keeps every audio position, a run's `retention` means nothing to it
+    # How the report shows the method. None: the class name and a free colour and marker. role: reference | method
+    # | ours | bound (report.methods.ROLES). variants: one curve each, (label, ((knob, value), ...), line style).
+    label: str | None = None
+    color: str | None = None
+    marker: str | None = None
+    role = "method"
+    variants: tuple[tuple[str, tuple[tuple[str, Any], ...], str], ...] = ()
     packed_store = True  # False: the method needs the reference store (it merges tokens, or moves anything anytime)
     recall_headroom = 0  # audio rows a head may gain between two decode steps (recalling methods)
     graph_safe = True  # on a queuing store its decode hooks only launch device work: they may be captured
     cpu_tier = False  # True: it keeps recallable audio KV on the host (the store then keeps a pinned host mirror)
+
+    @classmethod
+    def calibrate(cls, scores: HeadScores, prompts: list[tuple[Any, float]], decode: Callable[..., Any],
+                  backbone_info: dict, progress: bool = False) -> dict:
+        """What the method measures on the calibration set once the head scores are known (`wnw-calibrate`), for
+        head_scores.json's `calibration` block under the returned keys; WnW: its swap mobility. `prompts`: the
+        calibration samples' (prompt, audio seconds); `decode(policy, prompt, retention, seconds)` decodes one
+        greedily with the engine and returns its `GenerationResult` (trace, store_summary). Default: nothing."""
+        return {}
 
     def fork(self) -> "Policy":
         """A policy for one more sample decoded at the same time as this one's (a batch): the same knobs and caches,
@@ -132,3 +153,14 @@ class Policy:
     def knobs(self) -> dict:
         """Method-specific numbers worth recording with each sample (e.g. the solved λ)."""
         return {}
+
+
+class FullCache(Policy):
+    """Full Cache, the reference: every audio position stays on the device (the quality upper bound)."""
+
+    name = "full"
+    uses_retention = False
+    label, color, marker, role = "Full Cache", "black", "", "reference"
+
+    def __init__(self, backbone_info: dict | None = None):
+        """Full Cache has no knobs; `backbone_info` is taken as every method's constructor takes it."""

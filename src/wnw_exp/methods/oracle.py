@@ -34,6 +34,11 @@ GRANULARITIES = ("token", "chunk")
 @dataclass(eq=False)
 class Oracle(Policy):
     name = "oracle"
+    # How the report shows it: not deployable (it needs every step's true attention), the bound any eviction
+    # policy can reach; one curve per granularity: (label, the knobs that select its runs, line style).
+    label, color, marker, role = "Oracle (bound)", "0.45", "x", "bound"
+    variants = (("Oracle, top tokens (bound)", (("granularity", "token"),), ":"),
+                ("Oracle, top 4 s blocks (bound)", (("granularity", "chunk"),), "-."))
     graph_safe = False  # its per-step ranking and moves run on the host
     cpu_tier = True
 

@@ -15,12 +15,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wnw_exp.paths import conf_dir
 from wnw_exp.report import figures, tables
 from wnw_exp.report.collect import Run, collect_runs, to_frame
 from wnw_exp.report.mismatch import analysis_runs, mismatch_table, summarise
 from wnw_exp.report.specs import PAPER_MODELS, Data, Matcher, method_defaults
 
-DEFAULT_CONF = Path(__file__).resolve().parents[3] / "conf"
+DEFAULT_CONF = conf_dir()  # the method defaults of the conf/ inside the package, or $WNW_CONF
 
 
 @dataclass

@@ -23,15 +23,12 @@ import numpy as np  # noqa: E402
 
 from wnw_exp.report.collect import Run  # noqa: E402
 from wnw_exp.report.mismatch import MismatchSummary  # noqa: E402
-from wnw_exp.report.methods import MethodStyle, Variant, method_styles  # noqa: E402
+from wnw_exp.report.methods import MethodStyle, Variant, method_styles, style  # noqa: E402
 from wnw_exp.report.specs import MAIN_RETENTIONS, PAPER_MODELS, Cell, Matcher  # noqa: E402
 from wnw_exp.report.tables import n_voice_knob  # noqa: E402
 
 STYLE = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
          "ytick.labelsize": 7, "lines.linewidth": 1.3, "lines.markersize": 4, "savefig.dpi": 200}
-COLORS = {"full": "black", "adakv": "tab:red", "audiokv": "tab:orange", "arkvale": "tab:blue",
-          "affpool": "tab:purple", "wnw": "tab:green"}
-MARKERS = {"adakv": "v", "audiokv": "^", "arkvale": "s", "affpool": "D", "wnw": "o"}
 RET_COLORS = {0.2: "tab:red", 0.4: "tab:orange", 0.6: "tab:blue", 0.8: "tab:green"}
 WER_CAP = 30.0
 
@@ -157,7 +154,8 @@ def draw_figure3(matcher: Matcher, models: list[str], role: str = "test-clean", 
     handles: dict[str, Any] = {}
     for ax in fig.axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab.split(" (")[0] if lab.startswith("Full") else lab, h)
+            full = style("full").label  # one legend entry for every panel's Full Cache line (its WER differs)
+            handles.setdefault(full if lab.startswith(f"{full} (") else lab, h)
     fig.tight_layout(h_pad=0.6)
     fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
                frameon=False)
@@ -170,7 +168,8 @@ def _figure3_panel(ax, model: str, curves: list[Curve], full_wer: float | None, 
     for t in targets:
         ax.axvline(t, color="0.75", lw=0.7, ls=(0, (1, 2)), zorder=0)
     if full_wer is not None:
-        ax.axhline(full_wer, color="black", ls="--", lw=1, label=f"Full Cache ({full_wer:.2f})")
+        full = style("full")
+        ax.axhline(full_wer, color=full.color, ls="--", lw=1, label=f"{full.label} ({full_wer:.2f})")
     arrows = [c for c in curves if any(w > top for _, _, w in c.points)]
     for c in curves:
         st = c.style
@@ -273,7 +272,8 @@ def figure4(matcher: Matcher, model: str, out_dir: Path, stem: str, role: str = 
         ref, unit, ref_unit = None, "MB", "tokens"
         for ax, m in zip(axes.flat, methods):
             if full_curve is not None:
-                ax.plot(np.arange(full_curve[0].size), full_curve[0], color="black", ls="--", lw=1, label="Full")
+                ax.plot(np.arange(full_curve[0].size), full_curve[0], color=style("full").color, ls="--", lw=1,
+                        label=style("full").label)
             for r in MAIN_RETENTIONS:
                 if (m, r) not in runs:
                     continue

@@ -1,10 +1,10 @@
 """How the report shows each method: label, colour, marker, role, from the method registry.
 
-The methods are those of `wnw_exp.methods.REGISTRY` (a policy file in src/wnw_exp/methods/ plus its
-conf/method/<name>.yaml). A policy class may declare its own `label`, `color`, `marker` and `role` as class
-attributes; otherwise the names the paper prints are used (`KNOWN`), and a method the report has never heard
-of shows under its class name with the next free colour and marker, as a deployable method, in every table and
-figure that lists methods (tables 2, 5, 6 and figures 3, 4; see `specs.table_methods`).
+The methods are those of `wnw_exp.methods.registered_methods()` (a policy file in src/wnw_exp/methods/ plus its
+conf/method/<name>.yaml). Each policy class declares its `label`, `color`, `marker`, `role` and `variants` as class
+attributes (read from the class: no policy, and no model, is built); a method that declares none shows under its
+class name with the next free colour and marker, as a deployable method, in every table and figure that lists
+methods (tables 2, 5, 6 and figures 3, 4; see `specs.table_methods`).
 
 Roles:
 - `reference`: Full Cache, every audio position kept (a dashed line, a row spanning the r_GPU columns);
@@ -16,7 +16,6 @@ Roles:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 ROLES = ("reference", "method", "ours", "bound")
@@ -49,34 +48,9 @@ class MethodStyle:
         return self.variants or (Variant(self.label, (), ":" if self.role == "bound" else "-"),)
 
 
-# The paper's methods as the paper prints them (§3.3, Tables 1-8), and the oracle bound.
-KNOWN: dict[str, dict] = {
-    "full": dict(label="Full Cache", color="black", marker="", role="reference"),
-    "adakv": dict(label="Ada-KV", color="tab:red", marker="v"),
-    "audiokv": dict(label="AudioKV", color="tab:orange", marker="^"),
-    "arkvale": dict(label="ArkVale", color="tab:blue", marker="s"),
-    "affpool": dict(label="AffPool", color="tab:purple", marker="D"),
-    "wnw": dict(label="WnW (ours)", color="tab:green", marker="o", role="ours"),
-    "oracle": dict(label="Oracle (bound)", color="0.45", marker="x", role="bound",
-                   variants=(Variant("Oracle, top tokens (bound)", (("granularity", "token"),), ":"),
-                             Variant("Oracle, top 4 s blocks (bound)", (("granularity", "chunk"),), "-."))),
-}
 PAPER_METHODS = ("full", "adakv", "audiokv", "arkvale", "affpool", "wnw")  # the paper's order
 FREE_COLORS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray", "darkgoldenrod", "teal", "navy")
 FREE_MARKERS = ("P", "X", "*", "h", "<", ">", "p", "d")
-
-
-def _own(cls: type, attr: str) -> Any:
-    """A class attribute the policy class declares (itself or a parent), not one every method inherits from the
-    Full base class."""
-    from wnw_exp.methods.base import Policy
-
-    for klass in cls.__mro__:
-        if klass is Policy and cls is not Policy:
-            return None
-        if attr in vars(klass):
-            return vars(klass)[attr]
-    return None
 
 
 def styles_for(registry: dict[str, type]) -> dict[str, MethodStyle]:
@@ -87,27 +61,24 @@ def styles_for(registry: dict[str, type]) -> dict[str, MethodStyle]:
     free = 0
     for name in names:
         cls = registry[name]
-        known = KNOWN.get(name, {})
-        label = _own(cls, "label") or known.get("label") or cls.__name__
-        color, marker = _own(cls, "color") or known.get("color"), _own(cls, "marker") or known.get("marker")
+        label, color, marker, role = cls.label or cls.__name__, cls.color, cls.marker, cls.role
         if color is None or marker is None:
             color = color or FREE_COLORS[free % len(FREE_COLORS)]
             marker = marker if marker is not None else FREE_MARKERS[free % len(FREE_MARKERS)]
             free += 1
-        role = _own(cls, "role") or known.get("role") or ("reference" if name == "full" else "method")
         if role not in ROLES:
             raise ValueError(f"method {name}: role {role!r} is not one of {', '.join(ROLES)}")
-        out[name] = MethodStyle(name, str(label), str(color), str(marker), role, tuple(known.get("variants", ())))
+        variants = tuple(Variant(text, tuple(knobs), style) for text, knobs, style in cls.variants)
+        out[name] = MethodStyle(name, str(label), str(color), str(marker), role, variants)
     bounds = [n for n in out if out[n].role == "bound"]
     return {n: out[n] for n in [n for n in out if n not in bounds] + bounds}
 
 
-@lru_cache(maxsize=1)
 def _registered() -> dict[str, MethodStyle]:
-    from wnw_exp.methods import REGISTRY, _import_all  # the policies import torch; only the report's callers pay
+    """The styles of the methods registered now (made each time: a handful of class attributes)."""
+    from wnw_exp.methods import registered_methods  # the policies import torch; only the report's callers pay
 
-    _import_all()
-    return styles_for(REGISTRY)
+    return styles_for(registered_methods())
 
 
 def method_styles() -> list[MethodStyle]:

@@ -24,7 +24,7 @@ Recipe (per layer, per KV head; the text — ArkVale's sink and recent-window pa
    Resident pages that stay above the lowest scores stay, so the resident count is always P_head.
 With retention 1.0 every page is resident and nothing moves: exactly Full's tokens.
 
-Where step 5 runs: on the reference store (the CPU) per head on the host (`_swap_head`, the specification);
+Where step 5 runs: on the reference store (the CPU) per head on the host (`swap_head`, the specification);
 on a store that queues its moves (the packed GPU store) on the device (`swap_pages`: the page scores, the
 top-k, the victims and the resident pages are tensors; ties are broken by page index, where the host's
 torch.topk leaves them unspecified), with the moves handed to the store as fixed-shape masks and flushed for the
@@ -77,6 +77,7 @@ def page_scores(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Te
 @dataclass(eq=False)
 class ArkVale(Policy):
     name = "arkvale"
+    label, color, marker = "ArkVale", "tab:blue", "s"  # how the report shows it
     graph_safe = True  # on a queuing store step 5 runs on the device
     cpu_tier = True
 
@@ -156,13 +157,13 @@ class ArkVale(Policy):
         if layer not in self.resident:
             return
         for head in range(self.ctx.n_kv_heads):
-            victims, missing = self._swap_head(layer, head, scores[head])
+            victims, missing = self.swap_head(layer, head, scores[head])
             if len(missing):
                 row = layer * self.ctx.n_kv_heads + head
                 self.store.release(row, self._positions(victims))
                 self.store.recall(row, self._positions(missing))
 
-    def _swap_head(self, layer: int, head: int, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def swap_head(self, layer: int, head: int, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One head's swap (ArkVale's `select_topk`); updates `resident`, returns (victim, missing) pages."""
         none = torch.zeros(0, dtype=torch.long)
         p_head = self.budget[layer][head]
@@ -184,7 +185,7 @@ class ArkVale(Policy):
         return victims, missing
 
     def swap_pages(self, layer: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_swap_head` for every head of `layer` at once, on device tensors (graph-safe): scores (H_kv, n_pages)
+        """`swap_head` for every head of `layer` at once, on device tensors (graph-safe): scores (H_kv, n_pages)
         -> (victims, missing) bool masks (H_kv, n_pages); updates `resident[layer]` in place. The top-k pages by
         score (ties: the lower page) must be resident; each missing one displaces the resident page outside the
         top-k with the lowest score (ties: the lower page)."""

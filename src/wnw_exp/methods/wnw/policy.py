@@ -21,7 +21,7 @@ count does not grow with the clip's length, so short and long clips get differen
 each tidal head is charged only for the positions it misses, so the charge shrinks as lambda grows. The
 mobility (`method.mobility`, in [0, 1]) is how fast the anchors' attention moves between chunks; `auto`
 takes the value wnw-calibrate measured on its calibration samples for the same swap settings
-(`calibration.run.measure_swap_mobility`: the mean recalled count over decode steps mapped back through
+(`mobility.measure_swap_mobility`: the mean recalled count over decode steps mapped back through
 the same formula), else `DEFAULT_MOBILITY` = 0.3 (the retired from-scratch tiny model measured 0.30 on its calibration
 clips, whisper_smollm2 0.18; the random-weight tiny_random, whose attention wanders, 0.51). Not modelled: the
 first delta - 1 steps (shorter window), where on the clip the recalled segments lie (every segment is taken as
@@ -79,15 +79,17 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from wnw_exp.methods.wnw import triage
-from wnw_exp.head_scores import resolve_head_scores
+from wnw_exp.head_scores import HeadScores, resolve_head_scores
 from wnw_exp.kv.base import KVStore
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.methods.wnw.mobility import measure_swap_mobility
 
 RECALL_BUDGETS = ("expected", "none")
 SWAP_STARTS = ("prefill", "decode")
@@ -98,6 +100,14 @@ DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it pe
 @register
 class WnW(Policy):
     name = "wnw"
+    label, color, marker, role = "WnW (ours)", "tab:green", "o", "ours"  # how the report shows it
+
+    @classmethod
+    def calibrate(cls, scores: HeadScores, prompts: list[tuple[Any, float]], decode: Callable[..., Any],
+                  backbone_info: dict, progress: bool = False) -> dict:
+        """The swap mobility `mobility: auto` reads (`mobility.measure_swap_mobility`), at default settings."""
+        policy = cls(scores=scores, mobility="auto", backbone_info=backbone_info)
+        return {"swap_mobility": measure_swap_mobility(policy, prompts, decode, progress=progress)}
     graph_safe = True  # on a queuing store the chunk swap runs on the device (see the module docstring)
     cpu_tier = True
 

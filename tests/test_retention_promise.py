@@ -2,14 +2,13 @@
 r_GPU at every decode step, not only on average over the steps, or refuses the target before any sample.
 
 The sweep decodes a few tokens with each method at retentions 0.1, 0.2, 0.4 and 0.8 on a short clip (one encoder
-window) and a long one (two windows) of three random-weight shapes built from config (`tiny_random`, a Voxtral and a
-Qwen2.5-Omni with GQA groups of 4), and on `whisper_smollm2` on one short clip. The peak is measured independently
+window) and a long one (two windows) of three random-weight shapes built from config: `tiny_random` here, a Voxtral
+and a Qwen2.5-Omni with GQA groups of 4 in test_retention_promise_shapes.py (a module of its own, so that the two
+run side by side); and on `whisper_smollm2` on one short clip, every method at 0.2. The peak is measured independently
 of the store's accounting: at every layer's attention of every step, the audio key rows the device actually holds
 (`HeadTiers.gpu_k`, what the attention reads) are counted over all layers and heads.
 """
 
-import json
-import math
 import os
 import subprocess
 import sys
@@ -66,6 +65,7 @@ def _tiny_random():
 
 
 BACKBONES = {"tiny_random": _tiny_random, "voxtral": tiny_voxtral, "qwen_omni": tiny_qwen_omni}
+SHORT_LONG = pytest.mark.parametrize("seconds", [4, 35], ids=["short", "long"])  # one encoder window, two
 _built: dict = {}
 
 
@@ -87,12 +87,12 @@ def affpool_floor(n_audio: int, n_layers: int, policy) -> float:
     return sum(counts) / (n_layers * n_audio)
 
 
-def check_promise(backbone, scores, name: str, seconds: float, seen: list) -> list[str]:
+def check_promise(backbone, scores, name: str, seconds: float, seen: list, retentions=RETENTIONS) -> list[str]:
     """Each retention: refused before the sample (only where truly out of reach), or every step at or under it."""
     info = backbone.describe()
     prompt = backbone.build_prompt(noise_audio(seconds, seed=int(seconds)), "transcribe")
     lines = []
-    for r in RETENTIONS:
+    for r in retentions:
         policy = method(name, info, scores)
         try:
             policy.check(r)
@@ -124,15 +124,15 @@ def check_promise(backbone, scores, name: str, seconds: float, seen: list) -> li
     return lines
 
 
-@pytest.mark.parametrize("seconds", [4, 40], ids=["short", "long"])
-@pytest.mark.parametrize("model", sorted(BACKBONES))
+@SHORT_LONG
 @pytest.mark.parametrize("name", METHODS)
-def test_every_method_keeps_the_peak_at_or_under_the_target(name, model, seconds, attention_peak):
-    backbone, scores = backbone_and_scores(model)
+def test_every_method_keeps_the_peak_at_or_under_the_target_on_tiny_random(name, seconds, attention_peak):
+    backbone, scores = backbone_and_scores("tiny_random")
     check_promise(backbone, scores, name, seconds, attention_peak)
 
 
 def test_whisper_smollm2_keeps_the_promise_on_a_short_clip(attention_peak):
+    """Every method at 0.2 (a 135 M model on the CPU: a few seconds a decode; the sweep above covers the rest)."""
     from wnw_exp.backbones import whisper_smollm2 as ws
     from wnw_exp.head_scores import HeadScores, shipped_path
 
@@ -140,7 +140,7 @@ def test_whisper_smollm2_keeps_the_promise_on_a_short_clip(attention_peak):
     backbone.eos_token_ids = [-1]
     scores = HeadScores.load(shipped_path("whisper_smollm2"))
     for name in METHODS:
-        check_promise(backbone, scores, name, 6, attention_peak)
+        check_promise(backbone, scores, name, 6, attention_peak, retentions=[0.2])
 
 
 # --- WnW's budget, by hand ----------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_wnw_peak_budget_counts_prefill_and_recall_room_exactly():
     assert triage.recall_room(ret, roles, 95, 10, 20)[0, 1] == 9 * 8 + 4  # every segment: 5 - floor(1.25)
     # global selection: the host tier may sit in any segments, so the bound is min(missing, longest segments)
     assert triage.recall_room(ret, roles, 100, 10, 3, selection="global")[0, 1] == 30
-    assert triage.recall_room(ret, roles, 100, 10, 20, selection="global")[0, 1] == 100 - 24  # floor(2.5) * 10 + 0
+    assert triage.recall_room(ret, roles, 100, 10, 20, selection="global")[0, 1] == 100 - 20  # kept: 10 x floor(2.5)
 
 
 def test_wnw_lambda_is_the_largest_whose_peak_fits():

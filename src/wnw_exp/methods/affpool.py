@@ -130,7 +130,9 @@ class AffPool(Policy):
         if not n_layers:
             return
         n_pool = self.pooling_layers(n_layers)
-        least = sum((1 / self.window) ** min(layer + 1, n_pool) for layer in range(n_layers)) / n_layers if n_pool else 1.0
+        if not n_pool:
+            return
+        least = sum((1 / self.window) ** min(layer + 1, n_pool) for layer in range(n_layers)) / n_layers
         if retention < least:
             raise ValueError(f"affpool keeps at least r_GPU = {least:.3f} on this {n_layers}-layer model (window "
                              f"{self.window} in {n_pool} pooling layers), above retention={retention}: raise the "

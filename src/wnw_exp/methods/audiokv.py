@@ -6,8 +6,8 @@ observation window 32, baseline ratio 0.5 from Appendix F; voice scores from the
 WnW, WhisperX min_word_score 0.85):
 
 1. Budget (SparseMM/HeadKV-style allocation). With n_a audio tokens, L·H KV heads and target r, the
-   total budget is B = floor(r · L·H · n_a) audio positions (never above the target). Every head gets the uniform floor
-   b0 = baseline_ratio · B / (L·H); the remaining pool B − L·H·b0 is shared in proportion to the heads'
+   total budget is B = floor(r · L·H · n_a) audio positions (never above the target). Every head gets the
+   uniform floor b0 = baseline_ratio · B / (L·H); the remaining pool B − L·H·b0 is shared in proportion to the heads'
    voice scores VS_i / Σ VS (uniformly if every VS is 0). A head cannot keep more than n_a: the excess
    is re-shared among the heads below n_a in the same proportions (water filling). Budgets are floored
    to integers and the positions left over go to the heads with the largest fractional parts, so the

@@ -5,8 +5,18 @@ Triage (once per retention target, from `method.head_scores`): heads ranked by V
 other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
 their audio, s~ = score / max score over non-anchor heads.
 
-lambda (`lam: auto`) is solved per sample, by bisection, so that the expected r_GPU of §3.4 (the on-device
-audio share averaged over decode steps) is within `lambda_tolerance` of the target:
+lambda (`lam: auto`) is solved per sample, by bisection. With `recall_budget: peak` (the default) it is the largest
+lambda whose peak r_GPU fits the target, so that no decode step holds more (the retention promise,
+docs/reliability.md): the prefill footprint (anchors whole, the exact per-segment floors) plus each tidal head's
+recall room, its host-tier positions in the `peak_recalled_segments` segments the chunk swap can hold recalled at
+once (`triage.recall_room`, `triage.solve_peak_lambda`); the packed store reserves that room, read from the placed
+masks (`recall_headroom`). Where even lambda = 0 does not fit (a short clip, whose every segment can be recalled, costs
+each tidal head its whole audio at the peak), the least important tidal heads become fixed heads for that sample
+(`triage.demote_tidal`, `n_demoted_tidal` in the knobs); anchors that alone exceed the target are refused before
+any sample (`check`). The mean r_GPU is then under the target by the room the steps leave unused.
+
+With `recall_budget: expected` lambda makes the expected r_GPU of §3.4 (the on-device audio share averaged over
+decode steps) come within `lambda_tolerance` of the target instead (single steps then exceed it):
     expected r_GPU = prefill r_GPU (per-segment floors included)
                    + (R / n_seg) * sum over tidal heads of the positions their prefill selection misses,
 divided by L * H_kv * n_audio. R is the expected number of segments the chunk swap holds recalled at a step
@@ -162,9 +172,10 @@ class WnW(Policy):
         roles = self.triage_for(retention)[0]  # n_voice / n_anchor against the model's heads
         n_anchor = int((roles == triage.ANCHOR).sum())
         if self.recall_budget == "peak" and n_anchor / roles.size > retention:  # anchors keep all their audio
+            most = int(retention * roles.size + 1e-9)
             raise triage.TriageError(f"the {n_anchor} anchor heads alone keep r_GPU = {n_anchor / roles.size:.3f} of "
                                      f"the {roles.size} KV heads' audio on the device, above retention={retention}: "
-                                     f"set method.n_anchor <= {int(retention * roles.size + 1e-9)} or raise the retention")
+                                     f"set method.n_anchor <= {most} or raise the retention")
         if self.token_rate:
             self._check_chunks(self.token_rate)
 

@@ -13,7 +13,7 @@ from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
 from wnw_exp.engine.decode import generate
 from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import SampleContext
-from wnw_exp.methods.affpool import keep_ratio, merge_threshold, run_groups
+from wnw_exp.methods.affpool import integer_keep_ratio, layer_counts, merge_threshold, run_groups
 from wnw_exp.methods.arkvale import key_digests, page_scores
 from wnw_exp.methods.scoring import (adakv_capacities, balanced_bounds, group_mean, keep_top, pool1d, top_masks,
                                      snapkv_scores, spread_budget, window_mean)
@@ -135,7 +135,7 @@ def test_affpool_merges_runs_by_size_weighted_mean_at_the_centre_position():
     pol.start(SampleContext(n_layers=3, n_q_heads=2, n_kv_heads=1, head_dim=4, token_rate=12.5, n_audio=6,
                             retention=0.5, device=torch.device("cpu")), store=None)
     assert pol.n_pool == 3  # round(3 * 3 / 30) = 0 tail layers on a 3-layer model
-    pol.rho = 0.5  # layer 0 keeps round(6 * 0.5) = 3 tokens, layer 1 round(6 * 0.25) = 2
+    pol.rho, pol.counts = 0.5, [3, 2, 2]  # layer 0 keeps 3 tokens, layer 1 2
     a, a2, b, c = [1.0, 0, 0, 0], [1.0, 0.1, 0, 0], [0, 1.0, 0, 0], [0, 0, 1.0, 0]
     text = [5.0, 5, 5, 5]
     hidden = torch.tensor([[text, a, a, a2, b, b, c, text]])
@@ -155,12 +155,14 @@ def test_affpool_merges_runs_by_size_weighted_mean_at_the_centre_position():
         torch.tensor(a), torch.tensor(a2), dim=0)), abs=1e-4)
 
 
-def test_affpool_keep_ratio_solves_the_mean_over_layers():
-    rho = keep_ratio(0.2, 30, 27, 3)
-    realised = sum(rho ** min(li + 1, 27) for li in range(30)) / 30
-    assert realised == pytest.approx(0.2, abs=1e-9)
-    assert keep_ratio(1.0, 30, 27, 3) == 1.0
-    assert keep_ratio(0.001, 3, 3, 3) == pytest.approx(1 / 3)  # below the reachable floor: merge all it can
+def test_affpool_keep_ratio_keeps_the_integer_counts_at_or_under_the_target():
+    assert layer_counts(375, 1 / 3, 3, 3, 3) == [125, 42, 14]  # ceil(375 / 3), ceil(125 / 3), ceil(42 / 3)
+    assert layer_counts(1000, 0.5, 4, 2, 3) == [500, 250, 250, 250]  # the tail keeps what the last pooling left
+    rho = integer_keep_ratio(0.2, 1000, 30, 27, 3)
+    assert sum(layer_counts(1000, rho, 30, 27, 3)) <= 0.2 * 30 * 1000  # the promise: never above
+    assert sum(layer_counts(1000, rho + 1e-6, 30, 27, 3)) > 0.2 * 30 * 1000  # and the largest such rho
+    assert integer_keep_ratio(1.0, 1000, 30, 27, 3) == 1.0
+    assert integer_keep_ratio(0.001, 375, 3, 3, 3) == pytest.approx(1 / 3)  # below the reachable floor
 
 
 # --- through the engine ---------------------------------------------------------------------------------

@@ -299,7 +299,7 @@ def test_wnw_budgets_each_samples_expected_recall():
     backbone = tiny_voxtral()
     vs = np.random.RandomState(2).rand(backbone.n_layers, backbone.n_kv_heads)
     scores = scores_for(vs, np.ones_like(vs), name="tiny_test", n_q_heads=backbone.n_q_heads)
-    wnw = WnW(scores=scores, mobility=0.5, backbone_info=backbone.describe())
+    wnw = WnW(scores=scores, recall_budget="expected", mobility=0.5, backbone_info=backbone.describe())
     knobs = {}
     for seconds in (20.0, 60.0):
         generate(backbone, backbone.build_prompt(noise_audio(seconds)), wnw, retention=0.3, max_new_tokens=4)

@@ -42,15 +42,23 @@ NOT_IDENTITY = ("runs_root", "progress", "device", "engine", "batch_size", "kv_p
                 "dataset.n", "dataset.shard", "dataset.num_shards", "dataset.cache_dir", "dataset.cache")
 
 
+# Files a data root holds that a run does not read as audio: their contents are in the identity (`read_files`).
+AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".webm", ".aac")
+
+
 def identity(cfg: Mapping) -> dict:
     """The result-affecting part of a resolved config: all of it but NOT_IDENTITY, plus, for a model whose trained
     weights ship with the package (or sit in `model.trained_dir`), their fingerprint (`model_weights`): weights
-    trained further give a new directory rather than a mix of two versions' samples."""
+    trained further give a new directory rather than a mix of two versions' samples; and the content digest of
+    every other file the run reads besides audio (`files`, `read_files`): a file edited in place gives a new
+    directory too."""
     from wnw_exp.shipped_weights import weights_fingerprint
 
     out = json.loads(json.dumps(dict(cfg), default=str))
     if isinstance(out.get("model"), dict) and (fp := weights_fingerprint(out["model"])) is not None:
         out["model_weights"] = fp
+    if files := read_files(out):
+        out["files"] = files
     for dotted in NOT_IDENTITY:
         *parents, leaf = dotted.split(".")
         node = out
@@ -59,6 +67,96 @@ def identity(cfg: Mapping) -> dict:
         if isinstance(node, dict):
             node.pop(leaf, None)
     return out
+
+
+def read_files(cfg: Mapping) -> dict[str, str]:
+    """{config key: content digest} of what a run with `cfg` reads besides audio and the trained weights of
+    `model_weights`: the weights folder `model.path` (every file; a hub model instead by its cached snapshot's
+    revision, a commit hash that names its content), the head-score file `method.head_scores` (null: the one
+    shipped for the model), the manifest `dataset.path` and the non-audio files under a data root `dataset.root`
+    (transcripts, annotations). A path that does not exist digests as "missing" (loading it fails later with its
+    own message)."""
+    model, method, data = (cfg.get(k) if isinstance(cfg.get(k), dict) else {} for k in ("model", "method", "dataset"))
+    out = {}
+    if model.get("path"):
+        out["model.path"] = path_digest(Path(model["path"]))
+    elif model.get("repo_id") and not model.get("random") and (rev := _hub_revision(model["repo_id"])):
+        out["model.repo_id"] = rev
+    if "head_scores" in method:
+        from wnw_exp.head_scores import shipped_path
+
+        path = Path(method["head_scores"]) if method["head_scores"] else shipped_path(str(model.get("name")))
+        out["method.head_scores"] = path_digest(path)
+    if data.get("path"):
+        out["dataset.path"] = path_digest(Path(data["path"]))
+    if data.get("root"):
+        out["dataset.root"] = path_digest(Path(data["root"]), skip_suffixes=AUDIO_SUFFIXES)
+    return out
+
+
+def path_digest(path: Path, skip_suffixes: tuple[str, ...] = ()) -> str:
+    """16 hex digits of the SHA-256 of a file's bytes, or of a folder's files (their relative paths and digests,
+    hidden entries and `skip_suffixes` left out); "missing" where nothing is there. Each file's digest is cached
+    (`file_digest`), so only new or changed files are read."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return file_digest(path)
+    if not path.is_dir():
+        return "missing"
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path)
+        if any(part.startswith(".") for part in rel.parts) or f.suffix.lower() in skip_suffixes:
+            continue
+        h.update(f"{rel.as_posix()}\0{file_digest(f)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # this process's file digests by (path, size, mtime)
+
+
+def file_digest(path: Path) -> str:
+    """16 hex digits of the SHA-256 of a file's bytes. Fast path: a file whose (absolute path, size, mtime) was
+    hashed before, by this process or another one (cached under `$WNW_CACHE/file-digests/`), is not read again;
+    an edit changes its size or mtime, so its bytes are hashed anew."""
+    from wnw_exp.data.synthetic import cache_root
+
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    cached = cache_root() / "file-digests" / hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    try:
+        digest = cached.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 16:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        digest = h.hexdigest()[:16]
+        try:  # a cache that cannot be written only costs the next run the hashing
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(digest + "\n")
+            os.replace(tmp, cached)
+        except OSError:
+            pass
+    _DIGESTS[key] = digest
+    return digest
+
+
+def _hub_revision(repo_id: str) -> str | None:
+    """The commit of the hub snapshot `repo_id` loads from the local cache (None: not cached, or no hub library)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - no hub library or an unusable cache: the repo id alone names the model
+        return None
+    return Path(found).parent.name if isinstance(found, str) else None
 
 
 def identity_hash(cfg: Mapping) -> str:
@@ -188,6 +286,11 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _max(xs):
+    xs = [x for x in xs if x is not None and x == x]
+    return max(xs) if xs else None
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None and x == x]
     return sum(xs) / len(xs) if xs else None
@@ -208,6 +311,7 @@ def aggregate(records: list[dict]) -> dict:
                         insertions=counts.insertions, ref_words=counts.ref_words),
         bleu=corpus_bleu(translate) if translate else None,
         r_gpu=_mean(r["r_gpu"] for r in ok),
+        r_gpu_max=_max(r.get("r_gpu_max") for r in ok),  # the peak of any sample at any decode step
         r_gpu_cpu=_mean(r["r_gpu_cpu"] for r in ok),
         r_gpu_end=_mean(r.get("r_gpu_end") for r in ok),
         r_gpu_cpu_end=_mean(r.get("r_gpu_cpu_end") for r in ok),

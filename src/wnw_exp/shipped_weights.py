@@ -11,7 +11,6 @@ models built from a seed have none: both give None, which leaves their identity 
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 from pathlib import Path
 
 HERE = Path(__file__).parent / "backbones"
@@ -30,21 +29,16 @@ def trained_files(model: dict) -> list[Path] | None:
 
 
 def weights_fingerprint(model: dict) -> str | None:
-    """12 hex digits of the SHA-256 over the names and bytes of `trained_files(model)` (None: not ours)."""
+    """12 hex digits of the SHA-256 over the names and content digests of `trained_files(model)` (None: not ours).
+    Each file's digest is cached by path, size and mtime (`rundir.file_digest`): an unchanged file is read once."""
+    from wnw_exp.rundir import file_digest
+
     files = trained_files(model)
     if files is None:
         return None
     if not files:  # assembling fails later with its own message; the identity says that nothing was found
         return "missing"
-    return _digest(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-
-
-@lru_cache(maxsize=16)
-def _digest(stats: tuple[tuple[str, int, int], ...]) -> str:
     h = hashlib.sha256()
-    for name, _, _ in stats:  # keyed on size and mtime so an unchanged file is hashed once per process
-        h.update(Path(name).name.encode())
-        with open(name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
+    for f in files:
+        h.update(f"{f.name}\0{file_digest(f)}\n".encode())
     return h.hexdigest()[:12]

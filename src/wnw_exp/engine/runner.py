@@ -307,7 +307,8 @@ def _record(base: dict, sample, prompt, res, backbone) -> dict:
     tokens = [t for t in res.tokens if t not in backbone.eos_token_ids]
     s = res.store_summary
     return dict(base, hypothesis=backbone.decode(tokens), n_new_tokens=len(res.tokens),
-                terminated=res.terminated, r_gpu=s["r_gpu"], r_gpu_cpu=s["r_gpu_cpu"], r_gpu_end=s["r_gpu_end"],
+                terminated=res.terminated, r_gpu=s["r_gpu"], r_gpu_max=s["r_gpu_max"], r_gpu_cpu=s["r_gpu_cpu"],
+                r_gpu_end=s["r_gpu_end"],
                 r_gpu_cpu_end=s["r_gpu_cpu_end"], ms_per_token=_finite(res.ms_per_token),
                 mb_per_step=s["mb_per_step"], prefill_ms=res.prefill_ms, n_audio_tokens=prompt.n_audio,
                 audio_bytes_on_device=s["audio_bytes_on_device"], knobs=res.knobs, error=None,

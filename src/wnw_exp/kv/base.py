@@ -78,7 +78,8 @@ class KVStore(Protocol):
         """Close a decode step's accounting."""
 
     def summary(self) -> dict:
-        """r_GPU, r_GPU+CPU (mean over decode steps and at the end), MB/step, physical bytes held."""
+        """r_GPU, r_GPU+CPU (mean over decode steps and at the end), r_GPU's peak over the steps, MB/step, physical
+        bytes held."""
 
 
 class TiersPerHead:
@@ -126,11 +127,14 @@ class StepAccounting:
         return self.n_layers * self.n_kv_heads * self.n_audio
 
     def summary(self) -> dict:
-        """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, MB/step, bytes held."""
+        """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, r_GPU's peak over the steps (what a
+        pool sized by the retention must hold: the methods promise it stays at or under the target), MB/step, bytes
+        held."""
         full = max(self.n_full, 1)
         steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
         return dict(
             r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
+            r_gpu_max=max(s.n_gpu for s in steps) / full,
             r_gpu_cpu=sum(s.n_gpu_cpu for s in steps) / len(steps) / full,
             r_gpu_end=steps[-1].n_gpu / full,
             r_gpu_cpu_end=steps[-1].n_gpu_cpu / full,

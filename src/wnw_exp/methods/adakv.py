@@ -7,9 +7,12 @@ Recipe, per layer, at prefill (`place`):
    prompt has only a few tokens after the audio). Mean over the window rows -> mean over each KV head's GQA
    group of query heads -> max pooling along positions with kernel 7 (stride 1, same length, -inf
    padding), all on the audio columns only. This is AdaKV's code order (`gqa_func='mean'` before pooling).
-2. Budget. B = round(retention * n_audio) positions per KV head on average, H_kv * B for the layer.
+2. Budget. B = floor(retention * n_audio) positions per KV head on average, H_kv * B for the layer (floored, not
+   rounded: the layer never holds more than the target, the retention promise of docs/reliability.md).
 3. Allocation (AdaKV's code): c_h = how many of the layer's top H_kv * B scores head h holds; head h keeps
-   its top round(c_h * (1 - floor_alpha) + int(B * floor_alpha)) positions, floor_alpha = 0.8.
+   its top round(c_h * (1 - floor_alpha) + int(B * floor_alpha)) positions, floor_alpha = 0.8. AdaKV's per-head
+   rounding can add up to H_kv / 2 positions to the layer; they are taken back from the largest budgets
+   (`scoring.trim_to_total`), so the layer keeps at most H_kv * B.
 4. The rest is dropped for good: `store.set_tiers_block` of the layer's heads, kept masks only (one stable sort
    for the layer, `scoring.top_masks`); there is no CPU tier, so r_GPU = r_GPU+CPU.
 With B >= n_audio (retention 1.0) nothing is touched, so the method then gives exactly Full's tokens.
@@ -23,7 +26,7 @@ import torch
 
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores
-from wnw_exp.methods.scoring import adakv_capacities, snapkv_scores, top_masks
+from wnw_exp.methods.scoring import adakv_capacities, snapkv_scores, top_masks, trim_to_total
 
 
 @register
@@ -44,12 +47,12 @@ class AdaKV(Policy):
 
     def place(self, layer: int, scores: PrefillScores) -> None:
         n = scores.post_audio.shape[-1]
-        budget = round(self.ctx.retention * n)
+        budget = int(self.ctx.retention * n + 1e-9)  # floor (0.2 * 25 = 4.999...: the epsilon keeps the 5)
         if budget >= n:
             return
         s = snapkv_scores(scores.post_audio, window=self.window_size, kernel=self.kernel_size,
                           pooling=self.pooling, group=self.ctx.group)
-        caps = adakv_capacities(s, budget, self.floor_alpha)
+        caps = trim_to_total(adakv_capacities(s, budget, self.floor_alpha), s.shape[0] * budget)
         self._caps.append(caps)  # read at the end (`knobs`): no host read per layer here
         self.store.set_tiers_block(layer * self.ctx.n_kv_heads, top_masks(s, caps))
 

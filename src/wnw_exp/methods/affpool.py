@@ -25,10 +25,11 @@ How, at one pooling layer with m audio tokens h_1..h_m:
 
 Retention. r_GPU (§3.4) = mean over layers of (audio tokens of the layer) / n_audio — what the store reports
 (AffPool has no CPU tier). A threshold per pooling layer, tau_l, is set by bisection on that layer's sorted
-affinities so the layer keeps exactly round(n_audio * rho^(l+1)) tokens, where rho (the fraction each
-pooling layer keeps) solves mean_l rho^min(l+1, n_pool) = retention, rho in [1/window, 1]. So the measured
-r_GPU is the target up to the rounding of each layer's count (and the floor at rho = 1/window, where every
-pooling layer merges as much as the window allows). The paper instead calibrates one tau on a held-out
+affinities so the layer keeps its count of `layer_counts` (floor(n_audio * rho^(l+1)), at least ceil(m / window) of
+the m tokens it receives; ties may leave fewer), where rho, the fraction each pooling layer keeps, is the largest in
+[1/window, 1] whose integer counts average at most retention * n_audio (`integer_keep_ratio`): the measured r_GPU
+never exceeds the target. A target below what merging `window` tokens into one at every pooling layer reaches is
+refused before any sample (`check`). The paper instead calibrates one tau on a held-out
 set; one tau per sample cannot be solved inside a single prefill, because a deep layer's affinities
 depend on the merges before it. The tau_l are recorded in knobs().
 With retention 1.0, rho = 1: nothing is merged and the tokens are exactly Full's.
@@ -82,20 +83,31 @@ def merge_threshold(affinity: torch.Tensor, target: int, window: int) -> tuple[f
     return tau, groups(lo)
 
 
-def keep_ratio(retention: float, n_layers: int, n_pool: int, window: int) -> float:
-    """rho with mean over layers of rho^min(l + 1, n_pool) = retention, clamped to [1 / window, 1]."""
-    def realised(rho: float) -> float:
-        return sum(rho ** min(layer + 1, n_pool) for layer in range(n_layers)) / n_layers
+def layer_counts(n_audio: int, rho: float, n_layers: int, n_pool: int, window: int) -> list[int]:
+    """Audio tokens each layer keeps at keep ratio `rho`: pooling layer l keeps floor(n_audio * rho^(l + 1)), but
+    at least ceil(m / window) of the m tokens it receives (one pooling step merges at most `window` into one) and at
+    most m; the layers after the last pooling one keep what it left."""
+    counts, m = [], n_audio
+    for layer in range(n_layers):
+        if layer < n_pool and rho < 1.0:
+            m = min(m, max(math.ceil(m / window), math.floor(n_audio * rho ** (layer + 1) + 1e-9)))
+        counts.append(m)
+    return counts
 
-    lo, hi = 1.0 / window, 1.0
-    if retention >= 1.0 or n_pool == 0:
+
+def integer_keep_ratio(retention: float, n_audio: int, n_layers: int, n_pool: int, window: int) -> float:
+    """The largest rho in [1 / window, 1] whose `layer_counts` average at most retention * n_audio per layer, so the
+    measured r_GPU never exceeds the target; 1 / window when even that merges too little (the caller refuses)."""
+    def fits(rho: float) -> bool:
+        return sum(layer_counts(n_audio, rho, n_layers, n_pool, window)) <= retention * n_layers * n_audio + 1e-9
+
+    if fits(1.0):
         return 1.0
-    if realised(lo) >= retention:
-        return lo
+    lo, hi = 1.0 / window, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if realised(mid) < retention else (lo, mid)
-    return (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 @register
@@ -110,10 +122,32 @@ class AffPool(Policy):
     reference_layers: int = 30  # Voxtral-Mini's depth, where Appendix F states the tail
     backbone_info: dict = field(default_factory=dict)
 
+    def pooling_layers(self, n_layers: int) -> int:
+        return n_layers - round(self.tail_layers * n_layers / self.reference_layers)
+
+    def check(self, retention: float) -> None:
+        """Refuse a target below what merging `window` tokens into one at every pooling layer reaches."""
+        n_layers = self.backbone_info.get("n_layers")
+        if not n_layers:
+            return
+        n_pool = self.pooling_layers(n_layers)
+        if not n_pool:
+            return
+        least = sum((1 / self.window) ** min(layer + 1, n_pool) for layer in range(n_layers)) / n_layers
+        if retention < least:
+            raise ValueError(f"affpool keeps at least r_GPU = {least:.3f} on this {n_layers}-layer model (window "
+                             f"{self.window} in {n_pool} pooling layers), above retention={retention}: raise the "
+                             "retention or method.window")
+
     def start(self, ctx, store) -> None:
         super().start(ctx, store)
-        self.n_pool = ctx.n_layers - round(self.tail_layers * ctx.n_layers / self.reference_layers)
-        self.rho = keep_ratio(ctx.retention, ctx.n_layers, self.n_pool, self.window)
+        self.n_pool = self.pooling_layers(ctx.n_layers)
+        self.rho = integer_keep_ratio(ctx.retention, ctx.n_audio, ctx.n_layers, self.n_pool, self.window)
+        self.counts = layer_counts(ctx.n_audio, self.rho, ctx.n_layers, self.n_pool, self.window)
+        if sum(self.counts) > ctx.retention * ctx.n_layers * ctx.n_audio + 1e-9:
+            raise ValueError(f"affpool: {ctx.n_audio} audio tokens merged as far as window {self.window} allows keep "
+                             f"r_GPU = {sum(self.counts) / (ctx.n_layers * ctx.n_audio):.3f}, above retention="
+                             f"{ctx.retention}: raise the retention")
         self.sizes: torch.Tensor | None = None  # original audio tokens behind each current audio token
         self.centers: torch.Tensor | None = None  # their mean original position, (..., m) float
         self.taus: list[float] = []
@@ -123,7 +157,7 @@ class AffPool(Policy):
             return hidden, positions, audio_span
         s, e = audio_span
         m = e - s
-        target = min(m, max(math.ceil(m / self.window), round(self.ctx.n_audio * self.rho ** (layer + 1))))
+        target = self.counts[layer]
         if target >= m:
             return hidden, positions, audio_span
         if self.sizes is None:

@@ -6,8 +6,8 @@ observation window 32, baseline ratio 0.5 from Appendix F; voice scores from the
 WnW, WhisperX min_word_score 0.85):
 
 1. Budget (SparseMM/HeadKV-style allocation). With n_a audio tokens, L·H KV heads and target r, the
-   total budget is B = round(r · L·H · n_a) audio positions. Every head gets the uniform floor
-   b0 = baseline_ratio · B / (L·H); the remaining pool B − L·H·b0 is shared in proportion to the heads'
+   total budget is B = floor(r · L·H · n_a) audio positions (never above the target). Every head gets the
+   uniform floor b0 = baseline_ratio · B / (L·H); the remaining pool B − L·H·b0 is shared in proportion to the heads'
    voice scores VS_i / Σ VS (uniformly if every VS is 0). A head cannot keep more than n_a: the excess
    is re-shared among the heads below n_a in the same proportions (water filling). Budgets are floored
    to integers and the positions left over go to the heads with the largest fractional parts, so the
@@ -39,10 +39,10 @@ from wnw_exp.methods.scoring import top_masks
 
 
 def head_budgets(voice_score: np.ndarray, retention: float, n_audio: int, baseline_ratio: float) -> np.ndarray:
-    """Integer audio budget per (layer, KV head), summing to round(retention · heads · n_audio) (step 1)."""
+    """Integer audio budget per (layer, KV head), summing to floor(retention · heads · n_audio) (step 1)."""
     vs = np.clip(np.asarray(voice_score, dtype=np.float64), 0, None)
     n_heads = vs.size
-    total = min(round(retention * n_heads * n_audio), n_heads * n_audio)
+    total = min(int(retention * n_heads * n_audio + 1e-9), n_heads * n_audio)  # floor: never above the target
     weights = vs.ravel() / vs.sum() if vs.sum() > 0 else np.full(n_heads, 1.0 / n_heads)
     floor = baseline_ratio * total / n_heads
     budget = np.full(n_heads, min(floor, n_audio), dtype=np.float64)

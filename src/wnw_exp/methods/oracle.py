@@ -3,17 +3,18 @@
 At every decode step, before a layer's attention (`before_attention`, the step's query in hand), each KV head
 computes that step's true attention over its whole audio (softmax of q.k / sqrt(d) over the dense keys and
 every audio key, summed over the head's GQA group of query heads) and keeps on the device only its own top
-round(r * n_audio) audio positions (`granularity: token`), or its top round(r * n_blocks) blocks of
+floor(r * n_audio) audio positions (`granularity: token`), or its top floor(r * n_audio / block) blocks of
 `chunk_seconds` (`granularity: chunk`, non-overlapping blocks of ceil(chunk_seconds * r_tok) tokens ranked
-by the attention mass they hold). The attention of that step then runs on exactly those positions, so r_GPU
-is r at every step (per block for the chunk variant, up to the short last block).
+by the attention mass they hold; all of them at r = 1). The attention of that step then runs on exactly those
+positions, so r_GPU is at most r at every step (floored: never above it).
 
 To know the true attention it needs every audio key at every step: it keeps its own copy of them beside the
 store and a host mirror of all audio (r_GPU+CPU = 1). The moves it makes each step are counted as host-to-
-device traffic like any recall; they say nothing about a real system. The new token's own key (appended by
-the attention itself) is left out of the ranking's softmax, a single key among hundreds. Each head's region
-keeps room for all its audio; a step's releases are applied (`store.flush`) before its recalls, so the
-resident count never exceeds what the head keeps.
+device traffic like any recall; they say nothing about a real system. From prefill to its first decode step a
+layer keeps the top blocks of the prompt's last row, so the first step too holds no more than the kept share. The
+new token's own key (appended by the attention itself) is left out of the ranking's softmax, a single key among
+hundreds. Each head's region keeps room for all its audio; a step's releases are applied (`store.flush`) before
+its recalls, so the resident count never exceeds what the head keeps.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class Oracle(Policy):
         n = ctx.n_audio
         self.block = 1 if self.granularity == "token" else max(1, math.ceil(self.chunk_seconds * ctx.token_rate - 1e-9))
         self.n_blocks = math.ceil(n / self.block) if n else 0
-        self.k_blocks = min(self.n_blocks, round(ctx.retention * self.n_blocks))
+        # the most blocks whose tokens, the largest blocks taken, stay within retention * n_audio (the promise)
+        sizes = sorted((min(self.block, n - b * self.block) for b in range(self.n_blocks)), reverse=True)
+        self.k_blocks = int(np.searchsorted(np.cumsum(sizes), ctx.retention * n + 1e-9, side="right"))
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_audio, D) every audio key after RoPE
         self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_audio) bool
         self.scale = ctx.head_dim ** -0.5
@@ -71,9 +74,14 @@ class Oracle(Policy):
             raise ValueError("the oracle ranks the prompt's audio tokens; it cannot follow a merging method")
         self.keys[layer] = keys.clone()
         everything = torch.arange(self.ctx.n_audio)
-        for head in range(self.ctx.n_kv_heads):
-            self.store.set_tiers(layer, head, everything, everything)  # all resident, all mirrored on the host
-        self.resident[layer] = torch.ones(self.ctx.n_kv_heads, self.ctx.n_audio, dtype=torch.bool)
+        # Until its first decode step the layer keeps the top blocks of the prompt's last row (the row that emits the
+        # first answer token), so that no step, the first included, sees more than the kept share on the device.
+        H, g = self.ctx.n_kv_heads, self.ctx.group
+        last = (scores.last_window if scores.last_window is not None else scores.post_audio)[:, -1]
+        keep = self.keep_mask(last.float().view(H, g, -1).sum(dim=1))
+        for head in range(H):  # every position mirrored on the host
+            self.store.set_tiers(layer, head, keep[head].nonzero().flatten(), everything)
+        self.resident[layer] = keep
 
     def true_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(H_kv, n_audio): the step's softmax weights at the audio positions, summed over each GQA group."""

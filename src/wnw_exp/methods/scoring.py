@@ -77,6 +77,16 @@ def adakv_capacities(scores: torch.Tensor, budget: int, floor_alpha: float) -> t
     return torch.round(counts * (1 - floor_alpha) + floor).long().clamp(max=n)
 
 
+def trim_to_total(caps: torch.Tensor, total: int) -> torch.Tensor:
+    """(H,) per-head budgets whose sum is at most `total`: the excess of `adakv_capacities`' per-head rounding (at most
+    H / 2 positions, so one token from each of the largest budgets, ties: the earlier head) is taken back. Tensor
+    ops only (no host read)."""
+    excess = (caps.sum() - total).clamp(min=0)
+    order = torch.argsort(caps, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(caps), device=caps.device))
+    return caps - (rank < excess).long()
+
+
 def top_masks(scores: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
     """(..., n) bool: per row of `scores` (..., n) (a head, or a block of a head), its top caps[...] positions by
     score (ties: the earlier position first), from one stable sort of every row; caps (...) integer, at most n.

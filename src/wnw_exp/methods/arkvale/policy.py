@@ -7,9 +7,9 @@ Recipe (per layer, per KV head; the text — ArkVale's sink and recent-window pa
    few pages are resident.
 2. Digests (ArkVale's `_summarize_keys`), from the post-RoPE keys of each page: center = (max + min) / 2
    per dimension, dist = mean |center - k| per dimension, hi = center + dist, lo = center - dist.
-3. Budget. P = retention * n_pages resident pages per head on average; the total
-   round(retention * n_pages * L * H_kv) is spread over the (layer, head) pairs as floor/ceil (the +1s
-   spaced evenly), so the measured r_GPU matches the target up to one token per page. top-k:
+3. Budget. About retention * n_pages resident pages per head: the most pages, spread over the (layer, head) pairs as
+   floor/ceil (the +1s spaced evenly), whose tokens stay within retention * n_audio * L * H_kv even when every
+   head holds its largest pages (`page_total`), so r_GPU never exceeds the target at any step. top-k:
    k = max(1, floor(topk_fraction * P_head)) pages (ArkVale's default page_topks = budget // 2).
 4. Prefill. Each head keeps its P_head best pages on the device, and every page, resident or not, gets a
    host copy (ArkVale's `prefill_backup_pages`: a full CPU mirror, so r_GPU+CPU = 1 and any page can be
@@ -52,6 +52,26 @@ def page_table(bounds: torch.Tensor, device: torch.device | None = None) -> tupl
     return torch.where(valid, starts + offset, starts).to(device), valid.to(device)
 
 
+def page_total(bounds: torch.Tensor, slots: int, tokens: float) -> int:
+    """The most pages, spread over `slots` heads as `spread_budget` spreads them, whose tokens cannot exceed `tokens`
+    whichever pages each head holds: a head with P pages may hold the P largest (pages differ by one token, and the
+    swap trades any page for any other), so its worst case is their sum. Bisection over the total (the worst case
+    grows with it)."""
+    largest = torch.cat([torch.zeros(1, dtype=torch.long), torch.sort(bounds.diff(), descending=True).values.cumsum(0)])
+    n_pages = len(largest) - 1
+
+    def worst(total: int) -> int:
+        return sum(int(largest[p]) for p in spread_budget(total, slots))
+
+    lo, hi = 0, n_pages * slots  # worst(lo) <= tokens
+    if worst(hi) <= tokens + 1e-9:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if worst(mid) <= tokens + 1e-9 else (lo, mid)
+    return lo
+
+
 def key_digests(keys: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, D) keys and page bounds -> (hi, lo), each (n_pages, D) in the keys' dtype (ArkVale keeps its
     digests in the KV pool): center ± mean absolute deviation per dimension, computed in float32."""
@@ -90,8 +110,7 @@ class ArkVale(Policy):
         self.bounds = balanced_bounds(ctx.n_audio, self.page_size)
         n_pages = len(self.bounds) - 1
         slots = ctx.n_layers * ctx.n_kv_heads
-        total = min(round(ctx.retention * n_pages * slots), n_pages * slots)
-        flat = spread_budget(total, slots)
+        flat = spread_budget(page_total(self.bounds, slots, ctx.retention * ctx.n_audio * slots), slots)
         self.budget = [flat[i * ctx.n_kv_heads:(i + 1) * ctx.n_kv_heads] for i in range(ctx.n_layers)]
         # The packed GPU store applies releases lazily: a head may gain k pages before they are freed, and
         # swapping pages of 31 and 32 tokens can grow its resident count by up to one token per page.

@@ -5,8 +5,18 @@ Triage (once per retention target, from `method.head_scores`): heads ranked by V
 other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
 their audio, s~ = score / max score over non-anchor heads.
 
-lambda (`lam: auto`) is solved per sample, by bisection, so that the expected r_GPU of §3.4 (the on-device
-audio share averaged over decode steps) is within `lambda_tolerance` of the target:
+lambda (`lam: auto`) is solved per sample, by bisection. With `recall_budget: peak` (the default) it is the largest
+lambda whose peak r_GPU fits the target, so that no decode step holds more (the retention promise,
+docs/reliability.md): the prefill footprint (anchors whole, the exact per-segment floors) plus each tidal head's
+recall room, its host-tier positions in the `peak_recalled_segments` segments the chunk swap can hold recalled at
+once (`triage.recall_room`, `triage.solve_peak_lambda`); the packed store reserves that room, read from the placed
+masks (`recall_headroom`). Where even lambda = 0 does not fit (a short clip, whose every segment can be recalled, costs
+each tidal head its whole audio at the peak), the least important tidal heads become fixed heads for that sample
+(`triage.demote_tidal`, `n_demoted_tidal` in the knobs); anchors that alone exceed the target are refused before
+any sample (`check`). The mean r_GPU is then under the target by the room the steps leave unused.
+
+With `recall_budget: expected` lambda makes the expected r_GPU of §3.4 (the on-device audio share averaged over
+decode steps) come within `lambda_tolerance` of the target instead (single steps then exceed it):
     expected r_GPU = prefill r_GPU (per-segment floors included)
                    + (R / n_seg) * sum over tidal heads of the positions their prefill selection misses,
 divided by L * H_kv * n_audio. R is the expected number of segments the chunk swap holds recalled at a step
@@ -91,7 +101,7 @@ from wnw_exp.methods import register
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw.mobility import measure_swap_mobility
 
-RECALL_BUDGETS = ("expected", "none")
+RECALL_BUDGETS = ("peak", "expected", "none")
 SWAP_STARTS = ("prefill", "decode")
 HEAD_SCALES = ("importance", "flat")
 DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it per model
@@ -114,7 +124,7 @@ class WnW(Policy):
     def __init__(self, head_scores: str | None = None, n_voice: int | str = "auto", n_anchor: int | str = "auto",
                  lam: float | str = "auto", lambda_tolerance: float = 0.005, signal: str = "vs_hs",
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
-                 top_k: int = 3, delta: int = 3, recall_budget: str = "expected", mobility: float | str = "auto",
+                 top_k: int = 3, delta: int = 3, recall_budget: str = "peak", mobility: float | str = "auto",
                  quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance", lag: int = 1,
                  backbone_info: dict | None = None, scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
@@ -170,7 +180,13 @@ class WnW(Policy):
         return self._triage_cache[retention]
 
     def check(self, retention: float) -> None:
-        self.triage_for(retention)  # n_voice / n_anchor against the model's heads
+        roles = self.triage_for(retention)[0]  # n_voice / n_anchor against the model's heads
+        n_anchor = int((roles == triage.ANCHOR).sum())
+        if self.recall_budget == "peak" and n_anchor / roles.size > retention:  # anchors keep all their audio
+            most = int(retention * roles.size + 1e-9)
+            raise triage.TriageError(f"the {n_anchor} anchor heads alone keep r_GPU = {n_anchor / roles.size:.3f} of "
+                                     f"the {roles.size} KV heads' audio on the device, above retention={retention}: "
+                                     f"set method.n_anchor <= {most} or raise the retention")
         if self.token_rate:
             self._check_chunks(self.token_rate)
 
@@ -186,30 +202,40 @@ class WnW(Policy):
         if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
             raise ValueError(f"head scores are for {self.importance.shape} (layers, KV heads), the model has "
                              f"{(ctx.n_layers, ctx.n_kv_heads)}")
-        self.roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
+        roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
         self._check_chunks(ctx.token_rate)
         self.n_c, self.n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
         # Segments a tidal head may hold recalled at once (see `recall_headroom`).
         self.peak_segments = triage.peak_recalled_segments(ctx.n_audio, self.n_s, self.n_c, self.top_k, self.delta)
         n_a = ctx.n_audio
+        if self.recall_budget == "peak" and self.lam_cfg in (None, "auto"):
+            # the tidal heads' recall room must fit beside the anchors even at lambda = 0 (short clips, low targets)
+            roles = triage.demote_tidal(self.importance, roles, n_a, self.n_s, self.peak_segments, ctx.retention,
+                                        self.selection, self.quota)
+        self.roles = roles
+        self.n_demoted = int((self.triage_for(ctx.retention)[0] == triage.TIDAL).sum() - (roles == triage.TIDAL).sum())
         self.mobility, self.mobility_source = self._mobility()
-        if self.recall_budget == "expected":
+        if self.recall_budget != "none":
             self.expected_resident = triage.expected_resident_segments(n_a, self.n_s, self.n_c, self.top_k,
                                                                        self.delta, self.mobility)
         else:
             self.expected_resident = 0.0
         n_seg = math.ceil(n_a / self.n_s) if n_a else 1
         resident_fraction = self.expected_resident / n_seg
-        if self.lam_cfg in (None, "auto"):
-            sol = triage.solve_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention, self.tolerance,
-                                      resident_fraction=resident_fraction, quota=self.quota)
-            self.lam = sol.lam
-        else:
+        if self.lam_cfg not in (None, "auto"):
             self.lam = float(self.lam_cfg)
+        elif self.recall_budget == "peak":
+            self.lam = triage.solve_peak_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention,
+                                                self.peak_segments, self.selection, self.quota).lam
+        else:
+            self.lam = triage.solve_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention, self.tolerance,
+                                           resident_fraction=resident_fraction, quota=self.quota).lam
         self.retention = triage.retentions(s_tilde, self.roles, self.lam)
         self.prefill_r_gpu = triage.prefill_r_gpu(self.retention, self.roles, n_a, self.n_s, self.quota)
         self.expected_r_gpu = triage.expected_r_gpu(self.retention, self.roles, n_a, self.n_s, resident_fraction,
                                                     self.quota)
+        self.peak_r_gpu = triage.peak_r_gpu(self.retention, self.roles, n_a, self.n_s, self.peak_segments,
+                                            self.selection, self.quota)
         g = ctx.group
         self.anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(self.roles[li] == triage.ANCHOR) for j in range(g)]
                          for li in range(ctx.n_layers)}
@@ -504,6 +530,7 @@ class WnW(Policy):
     # --- records ------------------------------------------------------------------------------------
     def knobs(self) -> dict:
         return dict(lam=self.lam, prefill_r_gpu=self.prefill_r_gpu, expected_r_gpu=self.expected_r_gpu,
+                    peak_r_gpu=self.peak_r_gpu, n_demoted_tidal=self.n_demoted,
                     recall_budget=self.recall_budget, expected_resident_segments=self.expected_resident,
                     mobility=self.mobility, mobility_source=self.mobility_source, n_voice=self.n_voice, n_anchor=self.n_anchor,
                     n_tidal=len(self.tidal), signal=self.signal, selection=self.selection, n_s=self.n_s,

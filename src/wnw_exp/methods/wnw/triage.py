@@ -239,6 +239,61 @@ def mobility_of(resident: float, n_audio: int, n_s: int, n_c: int, top_k: int, d
     return float(min(1.0, max(0.0, (resident - lo) / (hi - lo))))
 
 
+def recall_room(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segments: int,
+                selection: str = "segment", quota: str = "floor") -> np.ndarray:
+    """(L, H) the most positions each head can hold recalled at once when the chunk swap holds `segments` segments:
+    for a tidal head the sum of its `segments` largest per-segment host-tier counts (a segment's length minus its
+    prefill quota, `block_quotas`); 0 for anchors and fixed heads, which never recall. With `selection="global"`
+    the prefill counts per segment depend on the scores, so the bound is the head's whole host tier or the
+    `segments` longest segments, whichever is smaller. The store's recall room (`WnW.recall_headroom`) is the same
+    count read from the placed masks, never more than this."""
+    ret = np.asarray(ret, np.float64)
+    room = np.zeros(ret.shape, np.int64)
+    tidal = np.asarray(roles) == TIDAL
+    if n_audio <= 0 or segments <= 0 or not tidal.any():
+        return room
+    bounds = np.array(segment_bounds(n_audio, n_s), np.int64).reshape(-1, 2)
+    length = bounds[:, 1] - bounds[:, 0]
+    if selection == "global":
+        missing = n_audio - np.vectorize(lambda r: kept_per_head(float(r), n_audio, n_s, quota=quota))(ret)
+        per_head = np.minimum(missing, np.sort(length)[::-1][:segments].sum())
+    else:
+        quotas, _ = block_quotas(ret, n_audio, n_s, "segment", quota)
+        per_head = np.sort(length - quotas, axis=-1)[..., ::-1][..., :segments].sum(axis=-1)
+    room[tidal] = per_head[tidal]
+    return room
+
+
+def peak_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segments: int, selection: str = "segment",
+               quota: str = "floor") -> float:
+    """The most on-device audio r_GPU can reach at any decode step: the prefill footprint plus every tidal head's
+    `recall_room` for `segments` recalled segments (the chunk swap never holds more: `peak_recalled_segments`)."""
+    if n_audio == 0:
+        return 1.0
+    room = recall_room(ret, roles, n_audio, n_s, segments, selection, quota)
+    return prefill_r_gpu(ret, roles, n_audio, n_s, quota) + int(room.sum()) / (np.size(roles) * n_audio)
+
+
+def demote_tidal(importance: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segments: int, target: float,
+                 selection: str = "segment", quota: str = "floor") -> np.ndarray:
+    """Roles under which the peak r_GPU at lambda = 0 (anchors whole, every other head's prefill share 0, the tidal
+    heads' recall room) fits `target`: the least important tidal heads become fixed heads, one at a time, until it
+    does. A short clip whose every segment the swap can recall at once costs each tidal head its whole audio at the
+    peak, more than a low target leaves; on long clips nothing changes. Returns `roles` itself when it fits."""
+    zero = np.where(roles == ANCHOR, 1.0, 0.0)
+    if peak_r_gpu(zero, roles, n_audio, n_s, segments, selection, quota) <= target:
+        return roles
+    roles = roles.copy()
+    flat, imp = roles.reshape(-1), np.asarray(importance, np.float64).reshape(-1)
+    for i in np.argsort(imp, kind="stable"):  # least important first (ties: the earlier head)
+        if flat[i] != TIDAL:
+            continue
+        flat[i] = FIXED
+        if peak_r_gpu(zero, roles, n_audio, n_s, segments, selection, quota) <= target:
+            break
+    return roles
+
+
 @dataclass
 class LambdaSolution:
     lam: float
@@ -263,6 +318,40 @@ def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, r
                       for x, role in zip(np.ravel(ret), np.ravel(roles)) if role == TIDAL)
         r += resident_fraction * missing / (np.size(roles) * n_audio)
     return r
+
+
+def solve_peak_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, target: float,
+                      segments: int, selection: str = "segment", quota: str = "floor",
+                      iterations: int = 100) -> LambdaSolution:
+    """The largest lambda whose `peak_r_gpu` (prefill footprint plus the tidal heads' recall room for `segments`
+    recalled segments, exact integer counts) is at most `target`: the r_GPU of every decode step then stays at or
+    under the target. peak(lambda) is a non-decreasing step function (a position a tidal head keeps at prefill
+    leaves its recall room, one a fixed head keeps is new), so bisection finds the last step at or under the
+    target. Raises TriageError when even lambda = 0 does not fit (anchors alone, or the tidal heads' recall room:
+    `demote_tidal` first)."""
+    others = roles != ANCHOR
+    positive = s_tilde[others & (s_tilde > 0)]
+    lam_max = 1.0 / positive.min() if positive.size else 1.0
+
+    def r(lam: float) -> float:
+        return peak_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, segments, selection, quota)
+
+    r_low, r_high = r(0.0), r(lam_max)
+    if r_low > target:
+        n_anchor, n_tidal = int((roles == ANCHOR).sum()), int((roles == TIDAL).sum())
+        raise TriageError(f"the {n_anchor} anchor heads and the recall room of {n_tidal} tidal heads alone reach "
+                          f"r_GPU = {r_low:.3f}, above the target {target}: lower n_anchor or n_voice (or raise the "
+                          "retention target)")
+    if r_high <= target:
+        return LambdaSolution(lam_max, r_high, True)
+    lo, hi = 0.0, lam_max  # r(lo) <= target < r(hi)
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if r(mid) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return LambdaSolution(lo, r(lo), bool(np.all(retentions(s_tilde, roles, lo)[others] >= 1.0)))
 
 
 def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, target: float,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
 
 REGISTRY: dict[str, type[Policy]] = {"full": Policy}
-NOT_METHODS = ("base", "mismatch")  # the protocol, and the analysis wrapper (methods/mismatch.py)
+NOT_METHODS = ("base", "mismatch", "placement_trace")  # the protocol, and the analysis wrappers around a method
 
 
 def register(cls: type[Policy]) -> type[Policy]:

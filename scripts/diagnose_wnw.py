@@ -13,8 +13,9 @@ tokens, for every step the reference word being emitted and its time in the audi
 timings, through the jiwer alignment of the hypothesis), and the trace.
 
 `figure` draws, per clip, the audio position over decode steps (the word being emitted, the anchors' focus chunk,
-the tidal heads' true focus segment, the recalled segments) above the tidal heads' mass kept, and marks the first
-step where the true focus is not recalled and where the mean mass kept drops below one half.
+the tidal heads' true focus segment, the recalled segments) above the mass kept (the tidal heads' mean, and all
+heads' weighted by their audio share), marks the steps where the true focus jumps ahead of the word being emitted,
+and prints those events (`events`).
 """
 
 from __future__ import annotations
@@ -120,27 +121,46 @@ def trace(ids: list[str], out: Path, overrides: list[str]) -> None:
               flush=True)
 
 
-def first_failures(p: dict, kept_below: float = 0.5) -> dict:
-    """The first step whose true focus segment is not recalled, and the first whose mean mass kept over the tidal
-    heads falls below `kept_below`; and that step's tidal heads ranked by the true audio mass they lose."""
+def events(record: dict, ahead: int = 3) -> dict:
+    """What the trace shows, in steps: `jumps`, the steps where the tidal heads' true focus leaves the word being
+    emitted for a segment more than `ahead` segments further on (the first step of each such run, with where the
+    focus was and went, the anchors' focus and whether the new focus was recalled), `first_miss` (the first step
+    whose true focus segment is not recalled) and `n_miss`; `kept_tidal` (per step, the tidal heads' mean mass
+    kept) and `kept_all` (per step, the share of all heads' full-cache audio attention that is resident: every
+    head's kept mass weighted by its audio share); and, at the first jump (else the first miss), the five heads that
+    lose the most audio attention over the ten steps before it (the mean of (1 - kept) x audio share)."""
     import numpy as np
 
-    tidal = [tuple(h) for h in p["tidal_heads"]]
-    kept = np.asarray(p["mass_kept"])  # (steps, L, H)
-    share = np.asarray(p["audio_share"])
-    li, hi = (np.array([h[0] for h in tidal]), np.array([h[1] for h in tidal])) if tidal else ([], [])
-    tidal_kept = kept[:, li, hi] if tidal else np.ones((len(kept), 0))
-    mean_kept = tidal_kept.mean(axis=1) if tidal else np.ones(len(kept))
-    miss = [i for i, h in enumerate(p["hit"]) if not h]
-    low = np.flatnonzero(mean_kept < kept_below)
-    out = dict(first_miss=miss[0] if miss else None, n_miss=len(miss), n_steps=len(kept),
-               first_low_kept=int(low[0]) if len(low) else None, mean_kept=mean_kept.tolist())
-    step = out["first_low_kept"] if out["first_low_kept"] is not None else out["first_miss"]
-    if step is not None and tidal:
-        lost = (1 - tidal_kept[step]) * share[step, li, hi]  # true audio mass the head loses at that step
-        order = np.argsort(-lost)[:5]
-        out["worst_heads"] = [dict(layer=int(li[j]), head=int(hi[j]), kept=float(tidal_kept[step, j]),
-                                   audio_share=float(share[step, li[j], hi[j]])) for j in order]
+    p = record["placement"]
+    kept, share = np.asarray(p["mass_kept"]), np.asarray(p["audio_share"])  # (steps, L, H)
+    tidal = np.zeros(kept.shape[1:], bool)
+    for li, k in p["tidal_heads"]:
+        tidal[li, k] = True
+    seg_seconds = p["n_s"] / p["token_rate"]
+    emitted = [None if t is None else int(t // seg_seconds) for t in record["step_time"]]
+    out = dict(n_steps=len(kept), first_miss=next((i for i, h in enumerate(p["hit"]) if not h), None),
+               n_miss=sum(not h for h in p["hit"]), jumps=[],
+               kept_tidal=kept[:, tidal].mean(axis=1).tolist() if tidal.any() else [1.0] * len(kept),
+               kept_all=((kept * share).sum(axis=(1, 2)) / share.sum(axis=(1, 2))).tolist())
+    away = False
+    last = None
+    for i, seg in enumerate(p["true_segment"]):
+        last = emitted[i] if emitted[i] is not None else last
+        now = last is not None and seg - last > ahead
+        if now and not away:
+            out["jumps"].append(dict(step=i, emitted_segment=last, true_segment=seg,
+                                     anchor_chunk=p["anchor_chunk"][i], recalled=bool(p["hit"][i])))
+        away = now
+    at = out["jumps"][0]["step"] if out["jumps"] else out["first_miss"]
+    if at is not None:
+        lost = ((1 - kept) * share)[max(0, at - 10):at + 1].mean(axis=0)
+        whole = (kept > 0.9999).all(axis=0)
+        order = np.argsort(-lost, axis=None)[:5]
+        out["worst_heads"] = [dict(layer=int(li), head=int(k), role="tidal" if tidal[li, k] else
+                                   ("kept whole" if whole[li, k] else "fixed"),
+                                   kept=round(float(kept[max(0, at - 10):at + 1, li, k].mean()), 3),
+                                   audio_share=round(float(share[max(0, at - 10):at + 1, li, k].mean()), 3))
+                              for li, k in zip(*np.unravel_index(order, lost.shape))]
     return out
 
 
@@ -170,35 +190,31 @@ def figure(paths: list[Path], out: Path) -> None:
                 label="anchor focus (argmax chunk)")
         ax.plot(steps, [seg_mid[c] for c in p["true_segment"]], "x", ms=2.5, c="tab:red",
                 label="tidal heads' true focus (argmax segment)")
-        f = first_failures(p)
-        for key, style in (("first_miss", ":"), ("first_low_kept", "--")):
-            if f[key] is not None:
-                for a in axes[:, col]:
-                    a.axvline(f[key], ls=style, c="tab:purple", lw=1)
+        f = events(r)
+        for jump in f["jumps"]:
+            for a in axes[:, col]:
+                a.axvline(jump["step"], ls="--", c="tab:purple", lw=0.8)
         ax.set_title(f"{r['id']}: WnW r=0.2, WER {r['wer']:.1f}%", fontsize=10)
         ax.set_ylabel("audio position (s)")
         ax2 = axes[1, col]
-        ax2.plot(steps, f["mean_kept"], c="tab:blue", lw=0.8, label="tidal heads, mean")
-        tidal = p["tidal_heads"]
-        kept = np.asarray(p["mass_kept"])
-        if tidal:
-            mins = np.min([kept[:, li, hi] for li, hi in tidal], axis=0)
-            ax2.plot(steps, mins, c="tab:orange", lw=0.6, label="tidal heads, lowest")
+        ax2.plot(steps, f["kept_tidal"], c="tab:blue", lw=0.8, label="tidal heads, mean")
+        ax2.plot(steps, f["kept_all"], c="tab:orange", lw=0.8, label="all heads, weighted by audio share")
         ax2.set_ylim(0, 1.02)
         ax2.set_ylabel("true audio mass kept")
         ax2.set_xlabel("decode step")
     axes[0, 0].legend(fontsize=7, loc="upper left", markerscale=3)
     axes[1, 0].legend(fontsize=7, loc="lower left")
-    fig.suptitle("WnW's resident set against the full-cache attention, per decode step (dotted: first step whose "
-                 "true focus is not recalled; dashed: first step with mean mass kept < 0.5)", fontsize=9)
+    fig.suptitle("WnW's resident set against the full-cache attention, per decode step (grey: recalled segments; "
+                 "dashed: the true focus jumps ahead of the word being emitted)", fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)
     print(f"figure -> {out}")
     for r in records:
-        f = first_failures(r["placement"])
-        f.pop("mean_kept")
-        print(r["id"], json.dumps(f))
+        f = events(r)
+        kept_tidal, kept_all = np.mean(f.pop("kept_tidal")), np.mean(f.pop("kept_all"))
+        print(r["id"], f"WER {r['wer']:.2f}%, mass kept over the clip: tidal heads {kept_tidal:.3f}, all heads "
+              f"(weighted) {kept_all:.3f};", json.dumps(f))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,8 +68,17 @@ def test_per_step_records_are_consistent(setup):
     assert (kept[:, roles != triage.ANCHOR] < 1).any()  # at r = 0.3 the others do not
     tidal = {tuple(h) for h in rec["tidal_heads"]}
     assert tidal == {(int(a), int(b)) for a, b in zip(*np.nonzero(roles == triage.TIDAL))}
+    # per segment, the tidal heads' true mass and its non-resident part add up to their mass kept per head
+    share = np.asarray(rec["audio_share"])
+    g = backbone.n_q_heads // backbone.n_kv_heads
+    mass, lost = np.asarray(rec["segment_mass"]), np.asarray(rec["segment_lost"])
+    assert (lost <= mass + 1e-6).all()
+    tidal_mask = roles == triage.TIDAL
+    assert (mass - lost).sum(axis=1) == pytest.approx((kept * share * g)[:, tidal_mask].sum(axis=1), rel=1e-3)
+    assert mass.sum(axis=1) == pytest.approx((share * g)[:, tidal_mask].sum(axis=1), rel=1e-3)
     for s in range(n):
         assert rec["hit"][s] == (rec["true_segment"][s] in rec["recalled"][s])
+        assert rec["true_segment"][s] == int(np.argmax(mass[s]))
         assert len(rec["tidal_segment"][s]) == len(tidal)
     # the swap's own choice after step s (its records start with the prefill decision) holds the anchors' argmax chunk
     assert all(rec["anchor_chunk"][s] in rec["selected_chunks"][s] for s in range(n))

@@ -12,8 +12,10 @@ adds, at every decode step and layer, what the full cache would have attended to
   device for this step's attention (anchors keep everything: 1);
 - `audio_share[step, layer, head]`: the head's true audio mass itself (the mean over its group of the attention
   share that goes to audio at all), which says which misses matter;
-- `true_segment[step]`: the segment holding the most true audio mass summed over the tidal heads (the heads the
-  chunk swap serves), and `tidal_segment[step, i]` the same per tidal head;
+- `segment_mass[step, segment]`: the true audio mass summed over the tidal heads (the heads the chunk swap
+  serves) per segment, and `segment_lost[step, segment]` the part of it on positions not resident;
+- `true_segment[step]`: the segment holding the most of `segment_mass`, and `tidal_segment[step, i]` the same per
+  tidal head;
 - `anchor_chunk[step]`: the chunk with the highest mean of the anchors' summed attention at this step (the
   signal the swap ranks chunks by, Eq. 2), with `selected_chunks` the swap's top-k (in force at the next step);
 - `recalled[step]`: the segments recalled for this step's attention, and `hit[step]`: `true_segment` is one of
@@ -97,13 +99,16 @@ class PlacementTrace:
             total = float(true[h].sum())
             s["audio_share"][layer, h] = total / g
             s["mass_kept"][layer, h] = float(true[h, resident].sum()) / total if total > 0 else 1.0
-        if self._tidal_mask[layer].any():
-            tidal = true[torch.from_numpy(np.flatnonzero(self._tidal_mask[layer]))]
-            s["tidal_attention"].append(tidal)
+            if self._tidal_mask[layer, h]:
+                s["tidal_attention"].append(true[h])
+                lost = true[h].clone()
+                lost[resident] = 0
+                s["tidal_lost"] += lost.numpy()
 
     def _begin_step(self) -> None:
         L, H = self.ctx.n_layers, self.ctx.n_kv_heads
         self._step = dict(mass_kept=np.ones((L, H)), audio_share=np.zeros((L, H)), tidal_attention=[],
+                          tidal_lost=np.zeros(self.ctx.n_audio),
                           recalled=np.flatnonzero(self.inner.swap.recalled).tolist())
 
     def after_step(self, step: int | None) -> None:
@@ -116,11 +121,13 @@ class PlacementTrace:
         n_seg = len(swap.segments)
         record = dict(mass_kept=s["mass_kept"].astype(np.float32), audio_share=s["audio_share"].astype(np.float32),
                       recalled=s["recalled"])
-        tidal = torch.cat(s["tidal_attention"]).numpy() if s["tidal_attention"] else np.zeros((0, self.ctx.n_audio))
+        tidal = torch.stack(s["tidal_attention"]).numpy() if s["tidal_attention"] else np.zeros((0, self.ctx.n_audio))
         seg_of = np.arange(self.ctx.n_audio) // n_s
         per_seg = np.zeros((len(tidal), n_seg))
         for i, row in enumerate(tidal):
             per_seg[i] = np.bincount(seg_of, weights=row, minlength=n_seg)
+        record["segment_mass"] = per_seg.sum(axis=0).astype(np.float32)
+        record["segment_lost"] = np.bincount(seg_of, weights=s["tidal_lost"], minlength=n_seg).astype(np.float32)
         record["tidal_segment"] = per_seg.argmax(axis=1).tolist() if len(per_seg) else []
         record["true_segment"] = int(per_seg.sum(axis=0).argmax()) if len(per_seg) else -1
         record["hit"] = record["true_segment"] in set(s["recalled"])
@@ -142,7 +149,7 @@ class PlacementTrace:
                    chunks=[list(c) for c in swap.chunks], tidal_heads=tidal, n_steps=len(self.steps))
         for key in ("true_segment", "anchor_chunk", "hit", "recalled", "selected_chunks", "tidal_segment"):
             out[key] = [s[key] for s in self.steps]
-        for key in ("mass_kept", "audio_share"):
+        for key in ("mass_kept", "audio_share", "segment_mass", "segment_lost"):
             out[key] = np.stack([s[key] for s in self.steps]).round(5).tolist() if self.steps else []
         return out
 

@@ -487,7 +487,9 @@ def intervals(matcher: Matcher, t: Table) -> Table:
                 if id(run) not in counts:
                     counts[id(run)] = clip_counts(run)
             d = paired_difference(counts[id(run_a)], counts[id(run_b)])
+            out.n_cells += 1  # a comparison is a cell: missing when the two runs share no clip
             if d is None:
+                out.missing.append(f"{head}: {_describe(cell_a)} - {_describe(cell_b)}: the runs share no scored clip")
                 out.rows.append([Out(_describe(cell_a)), Out(_describe(cell_b)), Out(""), Out("no shared clips"),
                                  Out("0")])
                 continue

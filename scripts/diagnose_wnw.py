@@ -114,11 +114,12 @@ def trace(ids: list[str], out: Path, overrides: list[str]) -> None:
         counts = wer_counts(sample.reference, hypothesis)
         record = dict(id=sample_id, config=cfg, reference=sample.reference, hypothesis=hypothesis, tokens=tokens,
                       wer=counts.wer_percent, errors=counts.errors, ref_words=counts.ref_words,
-                      terminated=res.terminated, knobs=res.knobs, step_ref_word=words, step_time=times,
+                      terminated=res.terminated, knobs=res.knobs, r_gpu=res.store_summary["r_gpu"],
+                      r_gpu_cpu=res.store_summary["r_gpu_cpu"], step_ref_word=words, step_time=times,
                       placement=res.trace["placement"], wnw=res.trace["wnw"])
         (out / f"{sample_id}.json").write_text(json.dumps(record))
-        print(f"{sample_id}: WER {counts.wer_percent:.2f}% over {len(tokens)} tokens -> {out / (sample_id + '.json')}",
-              flush=True)
+        print(f"{sample_id}: WER {counts.wer_percent:.2f}% over {len(tokens)} tokens, r_GPU "
+              f"{res.store_summary['r_gpu']:.4f} -> {out / (sample_id + '.json')}", flush=True)
 
 
 def events(record: dict, ahead: int = 3) -> dict:

@@ -33,7 +33,7 @@ import torch
 from wnw_exp.kv.base import KVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext
 from wnw_exp.methods.oracle import true_audio_attention
-from wnw_exp.methods.wnw import triage
+from wnw_exp.methods.wnw import WnW, triage
 
 
 class PlacementTrace:
@@ -42,8 +42,8 @@ class PlacementTrace:
     graph_safe = False
     packed_store = False  # the resident positions are read from the reference store's tiers
 
-    def __init__(self, inner):
-        if not hasattr(inner, "swap_start"):
+    def __init__(self, inner: WnW):
+        if not isinstance(inner, WnW):
             raise ValueError(f"PlacementTrace traces WnW's chunk swap; got method {getattr(inner, 'name', inner)!r}")
         self.inner = inner
 

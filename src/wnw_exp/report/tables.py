@@ -446,9 +446,9 @@ def paired_difference(a: dict[str, tuple[str, int, int]], b: dict[str, tuple[str
 
 
 def _describe(cell: Cell) -> str:
-    knobs = ", ".join(f"{k}={v}" for k, v in cell.knobs)
-    cal = f", calibration={cell.calibration}" if cell.calibration else ""
-    return label(cell.method) + (f" [{knobs}{cal}]" if knobs or cal else "")
+    """The method's label with the knobs (and calibration) that tell the cell from its column's other cells."""
+    parts = [f"{k}={v}" for k, v in cell.knobs] + ([f"calibration={cell.calibration}"] if cell.calibration else [])
+    return label(cell.method) + (f" [{', '.join(parts)}]" if parts else "")
 
 
 def _signed(x: float) -> str:

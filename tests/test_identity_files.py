@@ -24,7 +24,7 @@ SHORT = ["model=tiny_random", "model.max_new_tokens_per_second=1", "model.min_ne
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "src" / "wnw_exp" / "conf"), version_base="1.3"):
         return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
 
 

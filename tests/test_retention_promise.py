@@ -37,7 +37,7 @@ N_NEW = 3
 
 def method(name: str, info: dict, scores=None):
     _import_all()
-    cfg = yaml.safe_load((ROOT / "conf" / "method" / f"{name}.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "src" / "wnw_exp" / "conf" / "method" / f"{name}.yaml").read_text())
     cfg.pop("name")
     if "head_scores" in cfg:
         cfg.pop("head_scores")
@@ -60,7 +60,7 @@ def attention_peak(monkeypatch):
 
 
 def _tiny_random():
-    cfg = yaml.safe_load((ROOT / "conf" / "model" / "tiny_random.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "src" / "wnw_exp" / "conf" / "model" / "tiny_random.yaml").read_text())
     return load_backbone(cfg, torch.device("cpu"), torch.float32)
 
 

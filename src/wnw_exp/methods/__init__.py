@@ -8,7 +8,7 @@ from functools import lru_cache
 from wnw_exp.methods.base import FullCache, Policy, PrefillScores, SampleContext
 
 REGISTRY: dict[str, type[Policy]] = {"full": FullCache}
-NOT_METHODS = ("base", "mismatch")  # the protocol, and the analysis wrapper (methods/mismatch.py)
+NOT_METHODS = ("base", "mismatch", "placement_trace")  # the protocol, and the analysis wrappers around a method
 
 
 def register(cls: type[Policy]) -> type[Policy]:

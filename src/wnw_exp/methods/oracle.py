@@ -85,12 +85,7 @@ class Oracle(Policy):
 
     def true_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(H_kv, n_audio): the step's softmax weights at the audio positions, summed over each GQA group."""
-        H, g = self.ctx.n_kv_heads, self.ctx.group
-        qg = q.view(H, g, -1).float()
-        s_audio = torch.einsum("hgd,hnd->hgn", qg, self.keys[layer].float()) * self.scale
-        s_dense = torch.einsum("hgd,hnd->hgn", qg, self.store.dense_keys(layer).float()) * self.scale
-        lse = torch.logsumexp(torch.cat([s_dense, s_audio], dim=-1), dim=-1, keepdim=True)
-        return torch.exp(s_audio - lse).sum(dim=1)
+        return true_audio_attention(q, self.keys[layer], self.store.dense_keys(layer), self.scale)
 
     def keep_mask(self, attention: torch.Tensor) -> torch.Tensor:
         """(H_kv, n_audio) bool: each head's top k_blocks blocks by attention mass (ties: the earlier block)."""
@@ -121,3 +116,15 @@ class Oracle(Policy):
     def knobs(self) -> dict:
         return dict(granularity=self.granularity, block_tokens=self.block, kept_blocks=self.k_blocks,
                     n_blocks=self.n_blocks)
+
+
+def true_audio_attention(q: torch.Tensor, audio_keys: torch.Tensor, dense_keys: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """(H_kv, n_audio): the full-cache softmax weights of query `q` (H_q, D) at every audio key (H_kv, n_audio, D),
+    normalised together with the non-audio keys `dense_keys` (H_kv, n, D), summed over each GQA group."""
+    H = audio_keys.shape[0]
+    qg = q.view(H, q.shape[0] // H, -1).float()
+    s_audio = torch.einsum("hgd,hnd->hgn", qg, audio_keys.float()) * scale
+    s_dense = torch.einsum("hgd,hnd->hgn", qg, dense_keys.float()) * scale
+    lse = torch.logsumexp(torch.cat([s_dense, s_audio], dim=-1), dim=-1, keepdim=True)
+    return torch.exp(s_audio - lse).sum(dim=1)

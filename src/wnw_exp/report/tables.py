@@ -4,6 +4,10 @@ Each `table_*` function lays out one paper table with `Cell`s (see `specs.py` fo
 run). A cell without a run is blank and listed in `Table.missing`; every value shown is read from a run.
 Values carry a mark when the run is not clean: † some samples failed, ‡ the run is incomplete (some shards, or
 some of the samples its configuration selects, are missing: an interrupted run).
+
+Every table with WER cells has a companion `<key>_ci` (`intervals`): for each WER cell, the paired bootstrap 95%
+interval (`metrics.bootstrap`) of its corpus WER minus Full Cache's, and minus the cell above it in the same column
+(its neighbouring method or setting), over the clips both runs scored (paired by sample id, the count shown).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from wnw_exp.metrics.bootstrap import PairedDiff, paired_bootstrap_wer
+from wnw_exp.metrics.text import wer_counts
 from wnw_exp.report.collect import Run
 from wnw_exp.report.methods import label, table_methods
 from wnw_exp.report.specs import MAIN_RETENTIONS, PAPER_MODELS, PAPER_N_VOICE, Cell, Matcher, same
@@ -40,6 +46,8 @@ class Table:
     missing: list[str] = field(default_factory=list)
     n_cells: int = 0
     n_labels: int = 1  # leading label columns (left-aligned)
+    # WER cells with a run, in the order filled: (column key, cell, run); `intervals` compares within a column
+    compared: list[tuple[tuple, Cell, Run]] = field(default_factory=list)
 
     @property
     def n_filled(self) -> int:
@@ -77,7 +85,9 @@ class Builder:
         """Full Cache runs at several retentions are expected (`full` ignores it); note only a tie."""
         return sum(same(r.retention, run.retention) for r in self.m.candidates(cell)) > 1
 
-    def value(self, cell: Cell, span: int = 1) -> Out:
+    def value(self, cell: Cell, span: int = 1, series: str | None = None) -> Out:
+        """The cell's value as text. `series` names the column's run of rows whose neighbours are compared (default:
+        the rows since the table's last section line)."""
         self.t.n_cells += 1
         run = self.run(cell)
         if run is None:
@@ -89,6 +99,9 @@ class Builder:
             self.t.missing.append(f"{cell.describe()} [{cell.value}]: the run has no {cell.value} ({run.label})")
             return Out("", span)
         mark = (FAILED_MARK if run.metrics.get("n_failed") else "") + ("" if run.complete else INCOMPLETE_MARK)
+        if cell.value == "wer":
+            section = series if series is not None else sum(isinstance(r, str) for r in self.t.rows)
+            self.t.compared.append(((cell.model, cell.role, cell.retention, section), cell, run))
         return Out(fmt(v, cell.value) + mark, span)
 
 
@@ -140,7 +153,7 @@ def table5(matcher: Matcher, models: list[str]) -> Table:
         bounds = [m for m in methods if m.role == "bound"]
         for m in [m for m in methods if m.role != "bound"]:
             t.rows.append(_retention_row(b, model, roles, m.name, m.label))
-        if bounds:
+        if bounds:  # one series with the methods above: the last method's neighbour is the first bound
             t.rows.append("Upper bound (not deployable: every step's true attention)")
             for m in bounds:
                 for v in m.rows():
@@ -165,7 +178,7 @@ def _retention_row(b: Builder, model: str, roles: list[str], method: str, text: 
     for role in roles:
         for r in MAIN_RETENTIONS:
             wnw = n_voice_knob(model, r) if method == "wnw" else ()
-            row.append(b.value(Cell(model, role, method, r, knobs + wnw)))
+            row.append(b.value(Cell(model, role, method, r, knobs + wnw), series="methods"))
     return row
 
 
@@ -318,13 +331,13 @@ def table7(matcher: Matcher, models: list[str]) -> Table:
                 c = chunks[i]
                 label = f"{float(c):.2f}s" + (" (default)" if same(c, 4.0) else "")
                 row += [Out(label), b.value(Cell(model, role, "wnw", 0.2, nv + (("chunk_seconds", c),),
-                                                 free=("stride_seconds",)))]
+                                                 free=("stride_seconds",)), series="chunk")]
             else:
                 row += [Out(""), Out("")]
             if i < len(anchors):
                 a = anchors[i]
                 label = f"{a}" + (" (default)" if model in PAPER_MODELS and same(a, 5) else "")
-                row += [Out(label), b.value(Cell(model, role, "wnw", 0.2, nv + (("n_anchor", a),)))]
+                row += [Out(label), b.value(Cell(model, role, "wnw", 0.2, nv + (("n_anchor", a),)), series="anchor")]
             else:
                 row += [Out(""), Out("")]
             t.rows.append(row)
@@ -397,13 +410,98 @@ TABLES: dict[str, tuple[Callable[[Matcher, list[str]], Table], list[str]]] = {
 
 
 def build_tables(matcher: Matcher, models: list[str] | None = None) -> list[Table]:
-    """Every paper table. Backbone axis: the paper's backbones for that table plus every stand-in model
-    present in the runs, or exactly `models` when given."""
+    """Every paper table, each followed by its paired-bootstrap intervals where it has WER cells. Backbone axis: the
+    paper's backbones for that table plus every stand-in model present in the runs, or exactly `models` when given."""
     stand_ins = sorted({r.model for r in matcher.runs if r.model not in PAPER_MODELS})
     out = []
     for key in sorted(TABLES, key=lambda k: int(k[5:])):
         fn, paper = TABLES[key]
-        out.append(fn(matcher, list(models) if models else paper + stand_ins))
+        t = fn(matcher, list(models) if models else paper + stand_ins)
+        out.append(t)
+        if t.compared:
+            out.append(intervals(matcher, t))
+    return out
+
+
+# --- paired bootstrap intervals of WER differences -------------------------------------------------------
+def clip_counts(run: Run) -> dict[str, tuple[str, int, int]]:
+    """Sample id -> (reference, errors, reference words) of the run's scored transcription samples (failed and
+    translation samples are left out), as `metrics.text.corpus_wer` counts them."""
+    out = {}
+    for r in run.records:
+        if r.get("error") is None and r.get("task") != "translate":
+            c = wer_counts(r["reference"], r["hypothesis"])
+            out[r["id"]] = (r["reference"], c.errors, c.ref_words)
+    return out
+
+
+def paired_difference(a: dict[str, tuple[str, int, int]], b: dict[str, tuple[str, int, int]],
+                      **kw: Any) -> PairedDiff | None:
+    """Corpus WER of run A minus run B (their `clip_counts`) with its paired bootstrap interval, over the samples
+    both scored with the same reference (paired by sample id); None when they share none with reference words."""
+    shared = [i for i in a if i in b and a[i][0] == b[i][0]]
+    if not shared or sum(a[i][2] for i in shared) == 0:
+        return None
+    return paired_bootstrap_wer([a[i][1] for i in shared], [b[i][1] for i in shared], [a[i][2] for i in shared], **kw)
+
+
+def _describe(cell: Cell) -> str:
+    """The method's label with the knobs (and calibration) that tell the cell from its column's other cells."""
+    parts = [f"{k}={v}" for k, v in cell.knobs] + ([f"calibration={cell.calibration}"] if cell.calibration else [])
+    return label(cell.method) + (f" [{', '.join(parts)}]" if parts else "")
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.2f}"
+
+
+def intervals(matcher: Matcher, t: Table) -> Table:
+    """`t`'s companion table: for every WER cell, its difference to Full Cache and to the cell above it in the same
+    column (the same backbone, evaluation set, r_GPU and series of rows), each with its paired bootstrap 95% interval
+    (clips resampled with replacement, seed 0) and the number of clips the two runs share."""
+    out = Table(f"{t.key}_ci", f"{t.title.split(':')[0]}, paired bootstrap: corpus WER difference A - B (points) and "
+                "its 95% interval over the clips both runs scored.",
+                ["A", "B", "A - B", "95% interval", "clips"], n_labels=2)
+    columns: dict[tuple, list[tuple[Cell, Run]]] = {}
+    counts: dict[int, dict] = {}  # id(run) -> its clip_counts, made once per run
+    for key, cell, run in t.compared:
+        columns.setdefault(key, []).append((cell, run))
+    for (model, role, retention, _), cells in columns.items():
+        head = f"{model_label(model)}, {role}" + ("" if retention is None else f", r_GPU={retention:g}")
+        full, _ = matcher.find(Cell(model, role, "full", None))
+        pairs = []
+        previous = None
+        for cell, run in cells:
+            if cell.method == "full":
+                continue
+            if full is not None:
+                pairs.append((cell, run, Cell(model, role, "full", None), full))
+            if previous is not None:
+                pairs.append((cell, run, *previous))
+            previous = (cell, run)
+        if not pairs:
+            continue
+        out.rows.append(head)
+        for cell_a, run_a, cell_b, run_b in pairs:
+            for run in (run_a, run_b):
+                if id(run) not in counts:
+                    counts[id(run)] = clip_counts(run)
+            d = paired_difference(counts[id(run_a)], counts[id(run_b)])
+            out.n_cells += 1  # a comparison is a cell: missing when the two runs share no clip
+            if d is None:
+                out.missing.append(f"{head}: {_describe(cell_a)} - {_describe(cell_b)}: the runs share no scored clip")
+                out.rows.append([Out(_describe(cell_a)), Out(_describe(cell_b)), Out(""), Out("no shared clips"),
+                                 Out("0")])
+                continue
+            mark = "*" if d.excludes_zero else ""
+            out.rows.append([Out(_describe(cell_a)), Out(_describe(cell_b)), Out(_signed(d.diff) + mark),
+                             Out(f"[{_signed(d.low)}, {_signed(d.high)}]"), Out(str(d.n_clips))])
+    out.notes.append("Each row compares a cell of the table with Full Cache on the same evaluation set, and with the "
+                     "cell above it in its column (its neighbouring method or setting). Clips are paired by sample "
+                     "id: only those both runs scored, with the same reference, count. The statistic is the corpus "
+                     "truncated WER of A minus B on a resample of those clips (10,000 resamples with replacement, "
+                     "seed 0); the interval is its 2.5-97.5 percentile range. *: the interval excludes 0. BLEU "
+                     "cells have no interval here.")
     return out
 
 

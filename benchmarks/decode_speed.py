@@ -456,7 +456,9 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
                     lambda: hf_generate(model, prompt.input_ids, a.hf_steps, a.repeats, compiled=True), out)
         if lead and a.sweep:
             for n_t in [int(n) for n in a.sweep.split(",")]:
-                kw = dict(n_voice=n_t + a.sweep_anchors, n_anchor=a.sweep_anchors)
+                # Table 4 times n_t tidal heads: the paper's mean-matching λ (recall_budget expected), since the
+                # per-step budget (the default) would demote tidal heads to fit its peak and change the count timed
+                kw = dict(n_voice=n_t + a.sweep_anchors, n_anchor=a.sweep_anchors, recall_budget="expected")
                 section(results, f"{p}/sweep_tidal{n_t}",
                         lambda: engine_row(bb, prompt, a.sweep_steps, wnw(a.sweep_steps, **kw), r), out)
     del model

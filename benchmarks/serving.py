@@ -61,6 +61,15 @@ TOKENS_PER_AUDIO_SECOND = 3.0  # a transcript's length: about 3 tokens per secon
 METHODS = ("full", "wnw", "adakv", "arkvale", "wnw_recall_off")  # the last one runs after the graph rows
 
 
+def target(method: str, retention: float) -> float:
+    """The retention a row of `method` runs at: 1.0 for a method that keeps every audio position (its policy class
+    says `uses_retention = False`: Full Cache), else `retention` (the benchmark's own WnW variants included)."""
+    from wnw_exp.methods import registered_methods
+
+    cls = registered_methods().get(method)
+    return 1.0 if cls is not None and not cls.uses_retention else retention
+
+
 def policy_for(method: str, info: dict, scores: Path, n_audio: int, n_new: int):
     """The real method (or WnW with the scripted anchor attention), before any sample: forked per stream."""
     from wnw_exp.methods import build_policy
@@ -91,7 +100,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     from wnw_exp.engine.decode import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
-    r = 1.0 if method == "full" else retention
+    r = target(method, retention)
     template = policy_for(method, info, scores, prompt.n_audio, max(caps))
     template.check(r)
     pool = KVPool.of_bytes(budget_gb * 1e9, bb.head_dim, bb.dtype, bb.device)
@@ -144,7 +153,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
 def latency_bs1(bb, prompt, method: str, info: dict, scores: Path, n_new: int, retention: float, path: dict) -> dict:
     from wnw_exp.engine.decode import generate
 
-    r = 1.0 if method == "full" else retention
+    r = target(method, retention)
     policy = policy_for(method, info, scores, prompt.n_audio, n_new)
     policy.check(r)
     res = generate(bb, prompt, policy, retention=r, max_new_tokens=n_new, **path)
@@ -178,7 +187,7 @@ def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: fl
     from wnw_exp.engine.decode import Stream, decode_path
     from wnw_exp.kv.pool import KVPool
 
-    r = 1.0 if method == "full" else retention
+    r = target(method, retention)
     template = policy_for(method, info, scores, prompt.n_audio, 8)
     template.check(r)
     pool = KVPool.of_bytes(2e9 if bb.device.type == "cuda" else 1e8, bb.head_dim, bb.dtype, bb.device)
@@ -368,7 +377,7 @@ def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: 
     from wnw_exp.kv.pool import KVPool
 
     skip = 4  # steps at the peak left out: the composition's eager steps and its capture
-    r = 1.0 if method == "full" else retention
+    r = target(method, retention)
     cap = n_streams + 2 * steps + 2 * skip  # every stream still runs when the last one joins, 2 x `steps` later too
     template = policy_for(method, info, scores, prompt.n_audio, cap)
     template.check(r)

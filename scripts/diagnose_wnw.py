@@ -7,7 +7,7 @@
 `trace` decodes the named clips with WnW on the CPU reference path (fp32), wrapped in
 `methods.placement_trace.PlacementTrace`, so the decode is WnW's own (the same tokens as `wnw-run` on the CPU) and
 the trace adds, at each step, what the full cache would have attended to with the same query. The configuration is
-`wnw-run`'s (conf/), by default the 20-clip test set of the methods table: whisper_smollm2, synthetic natural text,
+`wnw-run`'s (src/wnw_exp/conf/), by default the 20-clip test set of the methods table: whisper_smollm2, synthetic natural text,
 60-180 s, n=20, WnW at retention 0.2; OVERRIDES are Hydra overrides on top. One JSON per clip: the hypothesis, the
 tokens, for every step the reference word being emitted and its time in the audio (the synthetic clips' exact word
 timings, through the jiwer alignment of the hypothesis), and the trace.

@@ -368,7 +368,9 @@ def test_pool_allocator():
         pool.free(a)
     for x in (c, d):
         pool.free(x)
-    assert pool._free == [(0, 10)] and pool.used_blocks == 0
+    assert pool.used_blocks == 0 and pool.free_blocks == 10
+    whole = pool.alloc(10 * 64)  # the free runs merged back into one: the whole pool in one extent, from block 0
+    assert whole is not None and whole.block == 0
 
 
 def test_bad_max_concurrent():

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from wnw_exp import rundir
+from wnw_exp import paths, rundir
 from wnw_exp.rundir import identity, identity_hash, path_digest, read_predictions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_an_untouched_file_is_not_read_again(tmp_path, monkeypatch):
     f.write_text("version 1")
     first = path_digest(f)
     assert first == hashlib.sha256(b"version 1").hexdigest()[:16]
-    rundir._DIGESTS.clear()  # a new process: only the cache on disk is left
+    paths._DIGESTS.clear()  # a new process: only the cache on disk is left
 
     def no_reading(*a, **k):
         raise AssertionError("an unchanged file was read again")

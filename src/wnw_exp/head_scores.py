@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from wnw_exp.paths import shipped_head_scores
+
 FORMAT = "wnw-head-scores/1"
-SHIPPED_DIR = Path(__file__).parent / "calibration" / "shipped"  # what wnw-calibrate made for each model
 LAYOUT_KEYS = ("n_layers", "n_q_heads", "n_kv_heads")
 
 
@@ -115,7 +116,7 @@ def _layout(d: dict) -> str:
 
 
 def shipped_path(model_name: str) -> Path:
-    return SHIPPED_DIR / f"{model_name}.json"
+    return shipped_head_scores(model_name)
 
 
 def resolve_head_scores(head_scores: str | None, backbone_info: dict) -> HeadScores:

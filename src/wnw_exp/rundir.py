@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from wnw_exp.metrics import corpus_bleu, corpus_wer_counts
+from wnw_exp.paths import file_digest, shipped_head_scores
 
 PREDICTIONS = "predictions.jsonl"
 TIMINGS = "timings.jsonl"
@@ -83,9 +84,8 @@ def read_files(cfg: Mapping) -> dict[str, str]:
     elif model.get("repo_id") and not model.get("random") and (rev := _hub_revision(model["repo_id"])):
         out["model.repo_id"] = rev
     if "head_scores" in method:
-        from wnw_exp.head_scores import shipped_path
-
-        path = Path(method["head_scores"]) if method["head_scores"] else shipped_path(str(model.get("name")))
+        path = (Path(method["head_scores"]) if method["head_scores"]
+                else shipped_head_scores(str(model.get("name"))))
         out["method.head_scores"] = path_digest(path)
     if data.get("path"):
         out["dataset.path"] = path_digest(Path(data["path"]))
@@ -110,42 +110,6 @@ def path_digest(path: Path, skip_suffixes: tuple[str, ...] = ()) -> str:
             continue
         h.update(f"{rel.as_posix()}\0{file_digest(f)}\n".encode())
     return h.hexdigest()[:16]
-
-
-_DIGESTS: dict[tuple[str, int, int], str] = {}  # this process's file digests by (path, size, mtime)
-
-
-def file_digest(path: Path) -> str:
-    """16 hex digits of the SHA-256 of a file's bytes. Fast path: a file whose (absolute path, size, mtime) was
-    hashed before, by this process or another one (cached under `$WNW_CACHE/file-digests/`), is not read again;
-    an edit changes its size or mtime, so its bytes are hashed anew."""
-    from wnw_exp.data.synthetic import cache_root
-
-    path = Path(path).resolve()
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key in _DIGESTS:
-        return _DIGESTS[key]
-    cached = cache_root() / "file-digests" / hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-    try:
-        digest = cached.read_text().strip()
-    except OSError:
-        digest = ""
-    if len(digest) != 16:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        digest = h.hexdigest()[:16]
-        try:  # a cache that cannot be written only costs the next run the hashing
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(digest + "\n")
-            os.replace(tmp, cached)
-        except OSError:
-            pass
-    _DIGESTS[key] = digest
-    return digest
 
 
 def _hub_revision(repo_id: str) -> str | None:

@@ -30,8 +30,8 @@ def trained_files(model: dict) -> list[Path] | None:
 
 def weights_fingerprint(model: dict) -> str | None:
     """12 hex digits of the SHA-256 over the names and content digests of `trained_files(model)` (None: not ours).
-    Each file's digest is cached by path, size and mtime (`rundir.file_digest`): an unchanged file is read once."""
-    from wnw_exp.rundir import file_digest
+    Each file's digest is cached by path, size and mtime (`paths.file_digest`): an unchanged file is read once."""
+    from wnw_exp.paths import file_digest
 
     files = trained_files(model)
     if files is None:

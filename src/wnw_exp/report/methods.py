@@ -1,7 +1,7 @@
 """How the report shows each method: label, colour, marker, role, from the method registry.
 
 The methods are those of `wnw_exp.methods.registered_methods()` (a policy file in src/wnw_exp/methods/ plus its
-conf/method/<name>.yaml). Each policy class declares its `label`, `color`, `marker`, `role` and `variants` as class
+src/wnw_exp/conf/method/<name>.yaml). Each policy class declares its `label`, `color`, `marker`, `role` and `variants` as class
 attributes (read from the class: no policy, and no model, is built); a method that declares none shows under its
 class name with the next free colour and marker, as a deployable method, in every table and figure that lists
 methods (tables 2, 5, 6 and figures 3, 4; see `specs.table_methods`).

@@ -103,14 +103,24 @@ class Stream:
     AdaKV's budgets), its positions and tokens. `generate` decodes one stream; `decode_batch` several at once.
 
     Prefill is `prefill_layers` (a generator: one layer per item, so a scheduler can interleave a long prefill
-    with the decode steps of running streams) then `finish_prefill` (the store's compaction, which raises
-    `kv.pool.PoolFull` where the stream's KV does not fit its pool, changing nothing, so it can be retried).
+    with the decode steps of running streams) then `finish_prefill` (the method's placement of every layer, then
+    the store's compaction, which raises `kv.pool.PoolFull` where the stream's KV does not fit its pool, changing
+    nothing, so it can be retried). With `overlap` (a CUDA stream) the forward pass runs on that stream with no
+    host read (the placement waits for `finish_prefill`) while the running streams decode: `prefill_ready` says
+    when it is done.
     """
 
     def __init__(self, backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
                  path: DecodePath, keep_logits: bool = False, pool=None, key=None,
-                 expected_new_tokens: int | None = None):
+                 expected_new_tokens: int | None = None, overlap=None, defer_place: bool | None = None):
         self.backbone, self.prompt, self.policy, self.path, self.key = backbone, prompt, policy, path, key
+        # `overlap`: a CUDA stream for this stream's prefill and placement (None: the current stream, each layer
+        # timed by a device sync); the scheduler then polls `prefill_ready` instead of waiting
+        self.overlap = overlap
+        # place every layer after the forward pass (`finish_prefill`) rather than layer by layer (None: with overlap)
+        self.defer_place = overlap is not None if defer_place is None else bool(defer_place)
+        self._done_event = None
+        self._scores: list = []
         self.request = None  # the `Request` it decodes, in a batch (preemption puts it back in the queue)
         self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
         dev = backbone.device
@@ -145,36 +155,83 @@ class Stream:
         self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
 
     def prefill_layers(self):
-        """Prefill layer by layer (the backbone's modules, `backbones.layer.decoder_layer`); yields after each."""
+        """Prefill layer by layer (the backbone's modules, `backbones.layer.decoder_layer`); yields after each. Each
+        layer's K/V go to the store and the method places it (`Policy.place`). With `overlap` each layer's work is
+        launched on that CUDA stream (the caller's stream is current between layers). With `defer_place` (the
+        default with `overlap`) its `PrefillScores` are kept for `finish_prefill`, which places every layer in
+        order once the forward pass has run (the same
+        decisions: a layer's placement reads only its own scores and rows; the scores of all layers are held
+        until then, about 20 MB a layer for 3,000 audio tokens and 32 query heads)."""
         bb, prompt, policy, store = self.backbone, self.prompt, self.policy, self.store
         n_q, n_kv, d = bb.n_q_heads, bb.n_kv_heads, bb.head_dim
+        overlap = self.overlap is not None
+        self._scores = []
         t0 = time.perf_counter()
-        hidden = bb.embed_prompt(prompt)
-        positions, span = bb.prompt_positions(prompt), prompt.audio_span
+        with self._on_overlap():
+            if overlap:
+                self._t0_event = torch.cuda.Event(enable_timing=True)
+                self._t0_event.record(self.overlap)
+            hidden = bb.embed_prompt(prompt)
+            positions, span = bb.prompt_positions(prompt), prompt.audio_span
         rope_cache: tuple | None = None
         for li, layer in enumerate(bb.layers):
-            hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
-            if rope_cache is None or rope_cache[0] is not positions:
-                rope_cache = (positions, *bb.rotary(hidden, positions))
-            _, cos, sin = rope_cache
+            with self._on_overlap():
+                hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
+                if rope_cache is None or rope_cache[0] is not positions:
+                    rope_cache = (positions, *bb.rotary(hidden, positions))
+                _, cos, sin = rope_cache
 
-            def attention(q, k, v, scale, li=li, span=span):
-                out = causal_attention(q, k, v, scale)
-                store.write_prefill(li, k[0], v[0], span)
-                policy.place(li, prefill_scores(q[0], k[0], span, scale))
-                return out
+                def attention(q, k, v, scale, li=li, span=span):
+                    out = causal_attention(q, k, v, scale)
+                    store.write_prefill(li, k[0], v[0], span)
+                    scores = prefill_scores(q[0], k[0], span, scale)
+                    if self.defer_place:  # placed once the forward pass has run (`finish_prefill`): no host read
+                        self._scores.append((li, scores))
+                    else:
+                        policy.place(li, scores)
+                    return out
 
-            hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
-            _sync(bb.device)
-            self.prefill_ms += (time.perf_counter() - t0) * 1e3
+                hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
+            if not overlap:
+                _sync(bb.device)
+                self.prefill_ms += (time.perf_counter() - t0) * 1e3
             yield
             t0 = time.perf_counter()
         self._last_hidden = hidden[:, -1:]
+        if overlap:
+            self._done_event = torch.cuda.Event(enable_timing=True)
+            self._done_event.record(self.overlap)
+
+    def _on_overlap(self):
+        return torch.cuda.stream(self.overlap) if self.overlap is not None else nullcontext()
+
+    def prefill_ready(self) -> bool:
+        """Whether the forward pass launched so far has run (always, without `overlap`: it ran synchronously)."""
+        return self._done_event is None or self._done_event.query()
+
+    def wait_prefill(self) -> None:
+        """Block until the forward pass launched so far has run."""
+        if self._done_event is not None:
+            self._done_event.synchronize()
 
     def finish_prefill(self, reserve_blocks: int = 0) -> None:
-        """The store's compaction (frees the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept
-        free), the decisions in force at decode step 0, the first token's logits."""
+        """With `defer_place`, the method's placement of every layer (in layer order; once); the store's compaction (frees
+        the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept free, changing nothing: it can be
+        called again), the decisions in force at decode step 0, the first token's logits."""
+        with self._on_overlap():
+            self._finish_prefill(reserve_blocks)
+        if self.overlap is not None:  # the decode steps (current stream) read what this stream wrote
+            torch.cuda.current_stream(self.backbone.device).wait_stream(self.overlap)
+
+    def _finish_prefill(self, reserve_blocks: int) -> None:
+        if self._done_event is not None:  # the forward pass's device time (it shared the GPU with decode steps)
+            self._done_event.synchronize()
+            self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
+            self._done_event = None
         t0 = time.perf_counter()
+        for li, scores in self._scores:
+            self.policy.place(li, scores)
+        self._scores = []
         if reserve_blocks:
             self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)
         else:
@@ -186,7 +243,8 @@ class Stream:
         self.next_token = int(torch.argmax(self.logits))
         del self._last_hidden
         self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
-        _sync(bb.device)
+        if bb.device.type == "cuda":  # this stream's work (not the decode steps running beside an overlapped one)
+            torch.cuda.current_stream(bb.device).synchronize()
         self.prefill_ms += (time.perf_counter() - t0) * 1e3
 
     def prefill(self) -> None:
@@ -414,7 +472,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                  retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
                  store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
                  prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
-                 reserve_tokens: int | float | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
+                 reserve_tokens: int | float | None = None,
+                 overlap_prefill: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
     """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
     (or (key, exception) for one that failed), in the order they finish.
 
@@ -432,7 +491,10 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     goes on. A stream that needs a page when it runs alone fails (`PoolFull`: the pool cannot hold its answer),
     alone. `stats.preempted` records the preemptions. Prefill runs `prefill_chunk_layers` layers between two
     decode steps (None: a whole prefill at once), so an admission does not stall the running streams for a whole
-    prefill.
+    prefill. With `overlap_prefill` (None: on CUDA) a request that arrives while streams run is prefilled on a
+    CUDA stream of its own: its layers are launched (`prefill_chunk_layers` at a time) between decode steps and
+    run on the GPU beside them; its placement and admission wait until its forward pass is done
+    (`Stream.prefill_ready`), the running streams decoding meanwhile.
 
     Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
     result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
@@ -453,6 +515,9 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     admitting: tuple[Stream, Iterator] | None = None
     batched: dict = {}  # the fused path's step for the current composition (and its graph)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    if overlap_prefill and dev.type != "cuda":
+        raise ValueError("overlap_prefill runs a prefill on its own CUDA stream: it needs a CUDA device")
+    overlap = torch.cuda.Stream(dev) if dev.type == "cuda" and overlap_prefill is not False else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
     laps = _Laps(stats.wall_s)
     stats.started_at = laps.t
@@ -478,7 +543,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     path = decode_path(dev, policy, store, fused, graph, kernels)
                     st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
                                 path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
-                                key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens))
+                                key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens),
+                                overlap=overlap if active else None)
                     st.request = req
                     admitting = (st, st.prefill_layers())
                     laps.lap("setup")
@@ -495,7 +561,9 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 dt = laps.lap("prefill")
                 if active and ran:
                     stats.prefill_ms_between_steps.append(dt * 1e3)
-                if done_layers and not waiting_for_room:
+                if done_layers and not active and not st.prefill_ready():  # nothing to decode meanwhile
+                    st.wait_prefill()
+                if done_layers and not waiting_for_room and st.prefill_ready():
                     joined = _admit(st, active, stats)
                     laps.lap("place")
                     waiting_for_room = joined is None  # retried once a stream has left

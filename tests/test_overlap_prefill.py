@@ -1,0 +1,82 @@
+"""Prefill overlapped with decoding (`engine.decode.Stream(overlap=..., defer_place=...)`, `decode_batch`'s
+`overlap_prefill`).
+
+- deferring the methods' placement to the end of the forward pass (what an overlapped prefill does, so that its
+  forward pass has no host read) makes exactly the decisions of placing each layer as it is computed (the
+  reference): the same tiers for every head, the same first token, the same decoded results;
+- on CUDA, a batch whose later requests are prefilled on their own CUDA stream while the first ones decode gives
+  each request the tokens it gets alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import noise_audio, tiny_voxtral
+from wnw_exp.engine.decode import BatchStats, Request, Stream, decode_batch, decode_path, generate
+from wnw_exp.kv.pool import KVPool
+from wnw_exp.methods import build_policy
+
+SHIPPED = Path(__file__).resolve().parents[1] / "src/wnw_exp/calibration/shipped/tiny_random.json"
+HAS_CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def _policy(method, bb):
+    cfg = {"name": method, **({"head_scores": str(SHIPPED)} if method == "wnw" else {})}
+    return build_policy(cfg, dict(bb.describe(), name="tiny_random"))
+
+
+def _tiers(store) -> list:
+    """Every head's placement, comparable across two stores of one kind."""
+    if hasattr(store, "heads"):  # the reference store: positions on the device and on the host per head
+        return [(t.gpu_pos.tolist(), t.cpu_pos.tolist(), torch.equal(t.gpu_k, t.gpu_k)) for layer in store.heads
+                for t in layer]
+    return [x.cpu().tolist() for x in (store.slot_of, store.on_host, store.audio_pos, store.n_resident,
+                                       store.audio_len)]
+
+
+@pytest.mark.parametrize("method", ["wnw", "adakv", "arkvale", "oracle"])
+@pytest.mark.parametrize("store", ["reference", "packed"])
+@torch.no_grad()
+def test_placing_after_the_forward_pass_makes_the_same_decisions(method, store):
+    bb = tiny_voxtral()
+    prompt = bb.build_prompt(noise_audio(14.0, seed=3))
+    if store == "packed" and not _policy(method, bb).packed_store:
+        pytest.skip(f"{method} runs on the reference store")
+    path = decode_path(bb.device, _policy(method, bb), store=store, fused=False, graph=False, kernels="torch")
+    streams = []
+    for defer in (False, True):
+        st = Stream(bb, prompt, _policy(method, bb), retention=0.2, max_new_tokens=8, path=path, defer_place=defer)
+        st.prefill()
+        streams.append(st)
+    now, later = streams
+    assert later.defer_place and not now.defer_place
+    assert _tiers(later.store) == _tiers(now.store)
+    assert later.next_token == now.next_token and torch.equal(later.logits, now.logits)
+    assert later.policy.knobs() == now.policy.knobs()
+    assert later.store.n_gpu() < later.store.n_full  # the method really placed something
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="an overlapped prefill runs on a CUDA stream of its own")
+@pytest.mark.parametrize("method", ["full", "wnw", "adakv"])
+def test_a_prefill_overlapped_with_decoding_gives_each_request_its_bs1_tokens(method):
+    bb = tiny_voxtral()
+    bb.model.to(torch.device("cuda"), torch.float32)
+    bb.eos_token_ids = [-1]
+    r = 0.2 if method != "full" else 1.0
+    prompts = [bb.build_prompt(noise_audio(s, seed=i)) for i, s in enumerate((14.0, 8.0, 11.0, 9.0))]
+    caps = (12, 5, 7, 6)
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    path = dict(store="packed", fused=True, kernels="triton")
+    solo = [generate(bb, p, _policy(method, bb), retention=r, max_new_tokens=c, **path).tokens
+            for p, c in zip(prompts, caps)]
+    stats = BatchStats()
+    got = dict(decode_batch(bb, [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, caps))],
+                            _policy(method, bb).fork, retention=r, pool=pool, stats=stats, overlap_prefill=True,
+                            prefill_chunk_layers=1, max_concurrent=2, **path))
+    assert [got[i].tokens for i in range(len(prompts))] == solo
+    assert max(stats.batch_sizes) > 1 and pool.used_blocks == 0

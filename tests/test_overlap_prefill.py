@@ -80,3 +80,25 @@ def test_a_prefill_overlapped_with_decoding_gives_each_request_its_bs1_tokens(me
                             prefill_chunk_layers=1, max_concurrent=2, **path))
     assert [got[i].tokens for i in range(len(prompts))] == solo
     assert max(stats.batch_sizes) > 1 and pool.used_blocks == 0
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
+def test_a_composition_of_a_warm_shape_is_captured_at_its_first_step_and_changes_nothing():
+    bb = tiny_voxtral()
+    bb.model.to(torch.device("cuda"), torch.float32)
+    bb.eos_token_ids = [-1]
+    prompts = [bb.build_prompt(noise_audio(10.0, seed=i)) for i in range(4)]
+    caps = (9, 5, 8, 6)  # two at a time: (0, 1), then 1 leaves and 2 joins, ...: compositions of two again
+    path = dict(store="packed", fused=True, kernels="triton")
+    solo = [generate(bb, p, _policy("wnw", bb), retention=0.2, max_new_tokens=c, **path).tokens
+            for p, c in zip(prompts, caps)]
+    stats = BatchStats()
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    got = dict(decode_batch(bb, [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, caps))],
+                            _policy("wnw", bb).fork, retention=0.2, pool=pool, stats=stats, max_concurrent=2,
+                            overlap_prefill=False, **path))
+    assert [got[i].tokens for i in range(4)] == solo
+    starts = [j for j in range(len(stats.batch_sizes)) if j == 0 or stats.step_build_ms[j] > 0]  # new compositions
+    firsts = [(stats.batch_sizes[j], stats.step_kinds[j]) for j in starts]
+    assert firsts[0] == (1, "eager")  # nothing warm yet
+    assert (2, "eager") in firsts and (2, "capture") in firsts  # the first pair warmed up, a later pair did not

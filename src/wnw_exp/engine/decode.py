@@ -301,12 +301,14 @@ class Stream:
 class TokenRunner:
     """One token of a fused step (`FusedStep` for `generate`, `BatchedFusedStep` for a batch): the step's body, the
     methods' decisions and the stores' moves (`after(i)`) on the side stream `side` while the final norm and the LM
-    head run, then the head. With `graph`, PyTorch's capture recipe: the first WARM_STEPS tokens run eagerly on a
-    warm-up stream, then the whole token (`after(None)`: the step index stays on the device) is captured in one CUDA
-    graph and replayed."""
+    head run, then the head. With `graph`, PyTorch's capture recipe: the first `warm_steps` tokens (WARM_STEPS) run
+    eagerly on a warm-up stream, then the whole token (`after(None)`: the step index stays on the device) is captured
+    in one CUDA graph and replayed. A batch whose kernels have compiled and whose tables `prepare` built (a shape
+    already warm) captures its first token (`warm_steps=0`); should that capture fail, it warms up as usual."""
 
-    def __init__(self, step, dev: torch.device, side):
+    def __init__(self, step, dev: torch.device, side, warm_steps: int | None = None):
         self.step, self.dev, self.side = step, dev, side
+        self.warm_steps = WARM_STEPS if warm_steps is None else warm_steps
         self.graph: CapturedStep | None = None
         self.warm = None
         self.n = 0  # tokens run
@@ -322,12 +324,16 @@ class TokenRunner:
             torch.cuda.current_stream(self.dev).wait_stream(self.side)
 
     def __call__(self, i: int, after, graph: bool) -> None:
-        if self.graph is not None:
-            self.graph()
-        elif graph and self.n >= WARM_STEPS:
+        if self.graph is None and graph and self.n >= self.warm_steps:
             if self.warm is not None:
                 torch.cuda.current_stream(self.dev).wait_stream(self.warm)
-            self.graph = CapturedStep(lambda: self._token(None, after))
+            try:
+                self.graph = CapturedStep(lambda: self._token(None, after))
+            except Exception:  # noqa: BLE001 - a capture without warm-up steps: warm up instead (a real failure
+                if self.n >= WARM_STEPS:  # after them raises)
+                    raise
+                self.warm_steps = WARM_STEPS
+        if self.graph is not None:
             self.graph()
         elif graph:
             self.warm = self.warm or torch.cuda.Stream(self.dev)
@@ -500,7 +506,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
     `generate`: the same arithmetic, byte for byte); on the fused path with a pool one `BatchedFusedStep` steps
     every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions),
-    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps.
+    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps (at its first
+    step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
     """
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
@@ -519,6 +526,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         raise ValueError("overlap_prefill runs a prefill on its own CUDA stream: it needs a CUDA device")
     overlap = torch.cuda.Stream(dev) if dev.type == "cuda" and overlap_prefill is not False else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
+    warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
     laps = _Laps(stats.wall_s)
     stats.started_at = laps.t
     while True:
@@ -611,7 +619,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         laps.lap("loop")
         replayed = getattr(batched.get("runner"), "graph", None) is not None
         try:
-            tokens, logits = _step_all(backbone, active, batched, side, keep_logits)
+            tokens, logits = _step_all(backbone, active, batched, side, keep_logits, warmed)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
             laps.lap("step")
             for st in active:
@@ -739,9 +747,11 @@ def _leave(st: Stream) -> None:
         release()
 
 
-def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
-              keep_logits: bool) -> tuple[list[int], list | None]:
-    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits."""
+def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side, keep_logits: bool,
+              warmed: set | None = None) -> tuple[list[int], list | None]:
+    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits. `warmed`:
+    the batch shapes (`_warm_key`) whose kernels have run, kept by the caller across compositions: a new composition
+    of such a shape is captured at its first step (no eager warm-up step)."""
     if active[0].step is not None:  # each stream on its own step (reference path, or no pool): failures its own
         tokens = []
         for st in active:
@@ -758,10 +768,16 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
             except Exception as e:  # noqa: BLE001
                 tokens.append(e)
         return tokens, [st.step.logits for st in active] if keep_logits else None
+    graph = all(st.path.graph and st.store.graph_safe for st in active)
     if "runner" not in batched:
         t0 = time.perf_counter()
-        batched["runner"] = TokenRunner(BatchedFusedStep(backbone, active, active[0].path.kernels), backbone.device,
-                                        side)
+        step = BatchedFusedStep(backbone, active, active[0].path.kernels)
+        batched["warm_key"] = key = _warm_key(active)
+        warm_steps = None
+        if graph and warmed is not None and key in warmed:  # compiled: build the tables, capture the first token
+            _prepare_after_all(active, batched)
+            warm_steps = 0
+        batched["runner"] = TokenRunner(step, backbone.device, side, warm_steps)
         batched["build_ms"] = (time.perf_counter() - t0) * 1e3  # host time, read by decode_batch's stats
     runner = batched["runner"]
     step = runner.step
@@ -770,18 +786,41 @@ def _step_all(backbone: Backbone, active: list[Stream], batched: dict, side,
         from wnw_exp.kv.packed import flush_stores, record_steps
 
         t0 = time.perf_counter()
-        groups: dict = {}  # the policies of one class decide together (`Policy.after_step_all`)
-        for st in active:
-            groups.setdefault(type(st.policy), []).append(st)
-        for cls, sts in groups.items():
+        for cls, sts in _policy_groups(active):  # the policies of one class decide together
             cls.after_step_all([st.policy for st in sts], [None if i is None else st.index for st in sts],
                                batched.setdefault(("after_step", cls), {}))
         flush_stores([st.store for st in active], batched.setdefault("flush", {}))
         record_steps([st.store for st in active], batched.setdefault("record", {}))
         batched["after_ms"] = (time.perf_counter() - t0) * 1e3  # host time (not called by a graph's replay)
 
-    runner(0, after_all, graph=all(st.path.graph and st.store.graph_safe for st in active))
+    runner(0, after_all, graph=graph)
+    if warmed is not None and graph:  # this batch shape's kernels have run (eagerly or in a capture)
+        warmed.add(batched["warm_key"])
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
+
+
+def _warm_key(active: list[Stream]) -> tuple:
+    """What a batch's kernels are compiled for, besides the model: its size and its streams' audio lengths."""
+    return len(active), tuple(sorted({st.store.n_audio for st in active}))
+
+
+def _policy_groups(active: list[Stream]) -> list[tuple[type, list[Stream]]]:
+    """The running streams by their policy's class, in order (`Policy.after_step_all` runs once per class)."""
+    groups: dict = {}
+    for st in active:
+        groups.setdefault(type(st.policy), []).append(st)
+    return list(groups.items())
+
+
+def _prepare_after_all(active: list[Stream], batched: dict) -> None:
+    """The tables that a batch's decisions and moves launch from (`Policy.prepare_step_all`, `kv.packed`'s
+    `flush_stores` and `record_steps` with `launch=False`), built before a capture that has no eager step first."""
+    from wnw_exp.kv.packed import flush_stores, record_steps
+
+    for cls, sts in _policy_groups(active):
+        cls.prepare_step_all([st.policy for st in sts], batched.setdefault(("after_step", cls), {}))
+    flush_stores([st.store for st in active], batched.setdefault("flush", {}), launch=False)
+    record_steps([st.store for st in active], batched.setdefault("record", {}), launch=False)
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

@@ -664,14 +664,16 @@ class PackedAudioKVStore(StepAccounting):
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
 
 
-def flush_stores(stores, held: dict | None = None) -> None:
+def flush_stores(stores, held: dict | None = None, launch: bool = True) -> None:
     """Every store's `flush()`: those with Triton moves together, in one pair of launches (their `FlushTables`,
     kept in `held` between calls and rebuilt when the set of stores, or a store's layout, changes: build it
-    outside a graph capture), the others (PyTorch moves) each by its own flush."""
+    outside a graph capture), the others (PyTorch moves) each by its own flush. `launch=False`: only build the
+    tables (before a capture)."""
     parts = []
     for st in stores:
         if st.moves != "triton":
-            st.flush()
+            if launch:
+                st.flush()
             continue
         b = st._flush_blocks()[None]
         if b is not None:  # (none of its heads can move: nothing to flush)
@@ -685,7 +687,8 @@ def flush_stores(stores, held: dict | None = None) -> None:
 
         held["blocks"] = [b for _, b in parts]  # (kept alive with the tables: their identities stay unique)
         held["tables"] = FlushTables([(st, b["host_rows"]) for st, b in parts], parts[0][0].device)
-    held["tables"]()
+    if launch:
+        held["tables"]()
 
 
 def advance_stores(stores) -> None:
@@ -697,15 +700,15 @@ def advance_stores(stores) -> None:
             s._dense_n += 1
 
 
-def record_steps(stores, held: dict | None = None) -> None:
+def record_steps(stores, held: dict | None = None, launch: bool = True) -> None:
     """Every store's `record_step()`: those with Triton kernels together, in one launch (their `RecordTables`,
     kept in `held` between calls and rebuilt when a store's tensors change: build it outside a graph capture),
-    the others each by its own."""
+    the others each by its own. `launch=False`: only build the tables (before a capture)."""
     together = []
     for st in stores:
         if st.kernels == "triton":
             together.append(st)
-        else:
+        elif launch:
             st.record_step()
     if not together:
         return
@@ -715,7 +718,8 @@ def record_steps(stores, held: dict | None = None) -> None:
     tables = held.get("record")
     if tables is None or tables.key != RecordTables.key_of(together):
         tables = held["record"] = RecordTables(together, together[0].device)
-    tables()
+    if launch:
+        tables()
 
 
 def attention_torch(q: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor, dense_len: torch.Tensor,

@@ -146,6 +146,12 @@ class Policy:
         for p, i in zip(policies, steps):
             p.after_step(i)
 
+    @classmethod
+    def prepare_step_all(cls, policies: list["Policy"], held: dict) -> None:
+        """Build in `held` whatever `after_step_all(policies, ..., held)` would build at its first call (its batched
+        kernels' tables), without deciding anything: what a CUDA graph captured at a batch's first step needs made
+        before the capture. Nothing by default."""
+
     def trace(self) -> dict:
         """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable."""
         return {}

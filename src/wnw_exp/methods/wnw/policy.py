@@ -503,6 +503,13 @@ class WnW(Policy):
             return
         tables.queue()
 
+    @classmethod
+    def prepare_step_all(cls, policies: list["WnW"], held: dict) -> None:
+        """The batch's `ChunkSwapTables` (and each joining policy's host-tier pairs), built before a capture."""
+        together = [p for p in policies if cls._joins(p)]
+        if together:
+            cls._swap_tables(together, held)
+
     def _move(self, segs: list[int], recall: bool) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the
         segments are disjoint, so one call queues exactly what one call per segment, in order, would)."""

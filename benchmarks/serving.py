@@ -97,7 +97,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None,
              arrivals: list[float] | None = None, overlap: bool | None = None) -> dict:
-    from wnw_exp.engine.decode import BatchStats, Request, decode_batch
+    from wnw_exp.engine.serve import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
     r = target(method, retention)
@@ -308,7 +308,7 @@ def _wall_parts(stats) -> dict:
     streams, the caller, the loop's bookkeeping; they add up to the wall), and the decode steps by kind over every
     step (count and seconds: replays, captures, eager steps; a new composition of the batch costs eager + capture
     steps), the prefill chunks run between two steps, and the admissions that waited for room in the pool."""
-    from wnw_exp.engine.decode import WALL_PARTS
+    from wnw_exp.engine.serve import WALL_PARTS
 
     out = {f"wall_s_{part}": stats.wall_s.get(part, 0.0) for part in WALL_PARTS}
     for kind in STEP_KINDS:
@@ -374,7 +374,7 @@ def profile_batch(bb, prompt, method: str, info: dict, scores: Path, n_streams: 
     composition's CUDA graph); the `top` kernels by GPU time per step (us) with their launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from wnw_exp.engine.decode import BatchStats, Request, decode_batch
+    from wnw_exp.engine.serve import BatchStats, Request, decode_batch
     from wnw_exp.kv.pool import KVPool
 
     skip = 4  # steps at the peak left out: the composition's eager steps and its capture

@@ -1,4 +1,4 @@
-"""Batched, continuous decoding (issue 16): `engine.decode.decode_batch` against the bs-1 engine (`generate`).
+"""Batched, continuous decoding (issue 16): `engine.serve.decode_batch` against the bs-1 engine (`generate`).
 
 - the CPU default path (reference store and step): each sample of a batch gets bs 1's tokens, logits, accounting and
   method decisions byte for byte, on both backbone families, for Full, Ada-KV, ArkVale and WnW;
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
-from wnw_exp.engine.decode import BatchStats, Request, decode_batch, generate
+from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import BatchStats, Request, decode_batch
 from wnw_exp.kv.pool import KVPool, PoolFull
 from wnw_exp.methods import build_policy
 from wnw_exp.paths import conf_dir
@@ -227,7 +228,7 @@ def test_an_answer_the_pool_can_never_hold_fails_alone():
 
 
 def test_expected_new_tokens_knob():
-    from wnw_exp.engine.decode import expected_new_tokens
+    from wnw_exp.engine.serve import expected_new_tokens
 
     req = Request(0, None, 50)
     assert expected_new_tokens(req) == 30  # 0.6 of the cap by default
@@ -264,14 +265,14 @@ def test_arrivals_are_waited_for_and_every_wall_second_has_one_part():
     bs 1's; the wall parts (`BatchStats.wall_s`) add up to the wall the caller saw, each part measured, not derived."""
     import time
 
-    from wnw_exp.engine.decode import WALL_PARTS
+    from wnw_exp.engine.serve import WALL_PARTS
 
     bb = _backbone("voxtral")
     path = dict(store="packed", fused=True, kernels="torch")
     prompts, caps = _prompts(bb, (10.0, 8.0, 9.0)), (6, 4, 5)
     solo = [generate(bb, p, _policy("wnw", bb), retention=0.2, max_new_tokens=c, **path) for p, c in zip(prompts, caps)]
     # the third arrives long after the first two have finished: the loop has nothing to do until then
-    arrivals = (0.0, 0.05, 1.5)
+    arrivals = (0.0, 0.05, 3.0)
     reqs = [Request(i, p, c, arrival_s=a) for i, (p, c, a) in enumerate(zip(prompts, caps, arrivals))]
     pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
     stats = BatchStats()
@@ -623,7 +624,7 @@ def test_kv_reserve_is_checked_reaches_admission_and_is_outside_the_identity(tmp
     """`kv_reserve` (the answer tokens a batched stream's admission keeps pool room for: tokens, a fraction of the
     cap, or null) gets one line for a bad value, reaches `decode_batch(reserve_tokens=)`, and does not change the
     run directory (admission decides when a stream runs, not what it predicts)."""
-    from wnw_exp.engine import decode, runner
+    from wnw_exp.engine import runner, serve
     from wnw_exp.methods.base import Policy
     from wnw_exp.rundir import identity_hash
 
@@ -639,7 +640,7 @@ def test_kv_reserve_is_checked_reaches_admission_and_is_outside_the_identity(tmp
         seen.append(kw["reserve_tokens"])
         return iter(())
 
-    monkeypatch.setattr(decode, "decode_batch", fake_decode_batch)
+    monkeypatch.setattr(serve, "decode_batch", fake_decode_batch)
     for value in (None, 12, 0.5):
         runner._run_batched([], None, Policy(), dict(retention=1.0, batch_size=2, kv_reserve=value,
                                                      engine="reference"), lambda rec: None)

@@ -244,11 +244,11 @@ def _run_sample(sample, backbone, policy, cfg) -> dict:
 
 
 def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
-    """`batch_size` samples decoded together (`engine.decode.decode_batch`, each with its own fork of `policy`);
+    """`batch_size` samples decoded together (`engine.serve.decode_batch`, each with its own fork of `policy`);
     each one's record goes to `finished` as soon as it ends. On CUDA the streams share one KV pool (`kv_pool_gb`;
     null: 80% of the device memory free after the weights); a stream it cannot hold waits for one to leave, and
     one joins only while the pool keeps room for `kv_reserve` answer tokens of every stream (null: 0.6 of its cap)."""
-    from wnw_exp.engine.decode import Request, decode_batch, default_pool
+    from wnw_exp.engine.serve import Request, decode_batch, default_pool
 
     path = ENGINE_PATHS[cfg.get("engine", "auto")]
     waiting: dict = {}

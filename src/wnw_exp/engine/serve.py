@@ -1,0 +1,381 @@
+"""Serving many requests with the one decode engine (`engine.decode`): continuous batching, admission by the KV
+pool's room, recompute preemption, prefill scheduled beside the decode steps, and where the wall time went.
+
+`decode_batch` is the scheduler: it makes each request's `Stream`, runs its prefill (on a CUDA stream of its own
+while others decode, `overlap_prefill`), admits it when the pool has room, and steps every running stream at once
+(`engine.decode.step_streams`); `wnw-run batch_size=` and `benchmarks/serving.py` run it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from wnw_exp.backbones.base import Backbone, Prompt
+from wnw_exp.engine.decode import DecodeResult, Stream, decode_path, step_streams
+from wnw_exp.methods.base import Policy
+
+
+@dataclass
+class Request:
+    """One sample for `decode_batch`: its prompt and length cap; `key` names it in the results."""
+
+    key: object
+    prompt: Prompt
+    max_new_tokens: int
+    expected_new_tokens: int | None = None  # the answer admission expects (None: see `decode_batch`'s reserve_tokens)
+    arrival_s: float = 0.0  # when it arrives, in seconds after `decode_batch` starts (0: it is there at once)
+
+
+EXPECTED_ANSWER_FRACTION = 0.6  # of the length cap: 3 tokens a second of audio where the cap allows 5 (conf/model)
+
+
+def expected_new_tokens(req: Request, reserve_tokens: int | float | None = None) -> int:
+    """The tokens a request is expected to generate, what admission keeps pool room for: `reserve_tokens` tokens
+    (an int), that fraction of its cap (a float in [0, 1]), or (None) its `expected_new_tokens` where set, else
+    `EXPECTED_ANSWER_FRACTION` of its cap; never more than its cap."""
+    cap = req.max_new_tokens
+    if reserve_tokens is None:
+        if req.expected_new_tokens is not None:
+            return max(0, min(int(req.expected_new_tokens), cap))
+        return int(math.ceil(EXPECTED_ANSWER_FRACTION * cap))
+    if isinstance(reserve_tokens, float):
+        if not 0.0 <= reserve_tokens <= 1.0:
+            raise ValueError(f"reserve_tokens={reserve_tokens!r}: a float is a fraction of the cap, in [0, 1]")
+        return int(math.ceil(reserve_tokens * cap))
+    if int(reserve_tokens) < 0:
+        raise ValueError(f"reserve_tokens={reserve_tokens!r}: at least 0 tokens")
+    return min(int(reserve_tokens), cap)
+
+
+@dataclass
+class BatchStats:
+    """What `decode_batch` saw: the batch size at each decode step, its wall time, and the prefill layers run
+    between two steps (chunked prefill) with their time."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    step_kinds: list[str] = field(default_factory=list)  # each step: "replay" (its CUDA graph), "capture" or "eager"
+    step_at: list[float] = field(default_factory=list)  # each step's end, perf_counter()
+    # each step's host time (ms) making a new composition's batched step, and running the decisions and moves
+    # after its layers (0 where none ran: a replay, a stream stepping on its own); parts of `step_ms`
+    step_build_ms: list[float] = field(default_factory=list)
+    step_after_ms: list[float] = field(default_factory=list)
+    prefill_ms_between_steps: list[float] = field(default_factory=list)
+    refused: list = field(default_factory=list)  # keys of requests that can never fit the pool
+    room_waits: int = 0  # admissions that found no room in the pool (the prefilled stream waited for a leave)
+    preempted: list = field(default_factory=list)  # keys of the streams preempted (restarted later), in order
+    joined_at: dict = field(default_factory=dict)  # key -> the decode step (index into batch_sizes) it first ran in
+    emitted_at: dict = field(default_factory=dict)  # key -> its tokens' perf_counter() times
+    started_at: float = 0.0  # perf_counter() when `decode_batch` started: requests' `arrival_s` count from it
+    first_token_at: dict = field(default_factory=dict)  # key -> perf_counter() of its first token (first attempt's)
+    # where the wall went: seconds by part of the loop (`WALL_PARTS`), every second of it in exactly one part
+    wall_s: dict = field(default_factory=dict)
+
+
+# The parts of `decode_batch`'s wall time (`BatchStats.wall_s`), in the order a request meets them:
+#   wait     no stream runs and the next request has not arrived yet
+#   setup    making a request's stream: its policy (a fork), its store, its pool extents
+#   prefill  prefill layers (`Stream.prefill_layers`), between decode steps or while none runs
+#   place    the store's compaction, the method's decisions in force at step 0, the first token (`_admit`)
+#   grow     dense pages for the next token of every stream (`_grow_dense`, preemption included)
+#   step     the decode steps (`BatchStats.step_ms`, by kind in `step_kinds`)
+#   emit     the tokens read into the streams after a step
+#   finish   results of the streams that ended (`Stream.result`) and their memory released
+#   caller   the consumer of `decode_batch`'s results, between a yield and the loop going on
+#   loop     the loop's own bookkeeping between those parts
+WALL_PARTS = ("wait", "setup", "prefill", "place", "grow", "step", "emit", "finish", "caller", "loop")
+
+
+class _Laps:
+    """Attributes wall time to named parts: `lap(part)` gives `part` the time since the last lap (so the parts add
+    up to the wall, whatever runs between laps)."""
+
+    def __init__(self, wall: dict):
+        self.wall, self.t = wall, time.perf_counter()
+
+    def lap(self, part: str) -> float:
+        """Seconds since the last lap, given to `part`."""
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        self.wall[part] = self.wall.get(part, 0.0) + dt
+        return dt
+
+
+@torch.no_grad()
+def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
+                 retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
+                 store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
+                 prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
+                 reserve_tokens: int | float | None = None,
+                 overlap_prefill: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
+    """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
+    (or (key, exception) for one that failed), in the order they finish.
+
+    A request joins when fewer than `max_concurrent` streams run (None: no limit but the pool's) and, with a
+    `pool` (`kv.pool.KVPool`, the packed store's), when the pool has room for its placed KV (one extent for each
+    head's resident audio and recall room, dense pages for its prompt's text) and its expected growth, besides the
+    expected growth still to come of the running streams: the dense pages of `expected_new_tokens(request,
+    reserve_tokens)` tokens (by default its `expected_new_tokens`, else 0.6 of its cap). Otherwise it waits, its
+    prefill done, until a stream leaves; alone, it joins when its placed KV fits. One that cannot fit an empty pool
+    is refused (`PoolFull` as its result). A running stream's dense part grows a page (one pool block per layer and
+    KV head) whenever its last page is full; where the pool has no free block for it, the most recently admitted
+    stream is preempted (vLLM's recompute preemption: all its memory freed, its request back at the head of the
+    queue, restarted from scratch later; decoding is deterministic, so its result is the same): a newer stream than
+    the one asking when there is one, the one asking itself when it is the newest, so the oldest stream always
+    goes on. A stream that needs a page when it runs alone fails (`PoolFull`: the pool cannot hold its answer),
+    alone. `stats.preempted` records the preemptions. Prefill runs `prefill_chunk_layers` layers between two
+    decode steps (None: a whole prefill at once), so an admission does not stall the running streams for a whole
+    prefill. With `overlap_prefill` (None: on CUDA) a request that arrives while streams run is prefilled on a
+    CUDA stream of its own: its layers are launched (`prefill_chunk_layers` at a time) between decode steps and
+    run on the GPU beside them; its placement and admission wait until its forward pass is done
+    (`Stream.prefill_ready`), the running streams decoding meanwhile.
+
+    Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
+    result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
+    `generate`: the same arithmetic, byte for byte); on the fused path with a pool one `BatchedFusedStep` steps
+    every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions),
+    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps (at its first
+    step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
+    """
+    dev = backbone.device
+    stats = stats if stats is not None else BatchStats()
+    limit = max_concurrent if max_concurrent is not None else 1 << 30
+    if limit < 1:
+        raise ValueError(f"max_concurrent={max_concurrent!r}: at least 1 stream")
+    pending = iter(requests)
+    queue: deque = deque()  # preempted requests, to run again before the new ones
+    arriving: Request | None = None  # the next new request, read from `requests` before it has arrived
+    exhausted = False
+    active: list[Stream] = []
+    admitting: tuple[Stream, Iterator] | None = None
+    batched: dict = {}  # the fused path's step for the current composition (and its graph)
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    if overlap_prefill and dev.type != "cuda":
+        raise ValueError("overlap_prefill runs a prefill on its own CUDA stream: it needs a CUDA device")
+    overlap = torch.cuda.Stream(dev) if dev.type == "cuda" and overlap_prefill is not False else None
+    waiting_for_room = False  # a prefilled stream the pool could not take yet
+    warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
+    laps = _Laps(stats.wall_s)
+    stats.started_at = laps.t
+    while True:
+        if admitting is None and (queue or arriving is not None or not exhausted) and len(active) < limit:
+            req = queue.popleft() if queue else None
+            if req is None:
+                if arriving is None:
+                    arriving = next(pending, None)
+                    exhausted = arriving is None
+                if arriving is not None:
+                    due = stats.started_at + arriving.arrival_s
+                    if not active and time.perf_counter() < due:  # nothing to do until it arrives
+                        laps.lap("loop")
+                        time.sleep(max(0.0, due - time.perf_counter()))
+                        laps.lap("wait")
+                    if time.perf_counter() >= due:
+                        req, arriving = arriving, None
+            if req is not None:
+                laps.lap("loop")
+                try:
+                    policy = make_policy()
+                    path = decode_path(dev, policy, store, fused, graph, kernels)
+                    st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
+                                path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
+                                key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens),
+                                overlap=overlap if active else None)
+                    st.request = req
+                    admitting = (st, st.prefill_layers())
+                    laps.lap("setup")
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    laps.lap("setup")
+                    yield req.key, e
+                    laps.lap("caller")
+                    continue
+        if admitting is not None:
+            st, layers = admitting
+            try:
+                laps.lap("loop")
+                done_layers, ran = _advance(layers, prefill_chunk_layers)
+                dt = laps.lap("prefill")
+                if active and ran:
+                    stats.prefill_ms_between_steps.append(dt * 1e3)
+                if done_layers and not active and not st.prefill_ready():  # nothing to decode meanwhile
+                    st.wait_prefill()
+                if done_layers and not waiting_for_room and st.prefill_ready():
+                    joined = _admit(st, active, stats)
+                    laps.lap("place")
+                    waiting_for_room = joined is None  # retried once a stream has left
+                    stats.room_waits += waiting_for_room
+                    if joined is not None:
+                        admitting = None
+                        stats.first_token_at.setdefault(st.key, st.emitted_at[0])
+                        if joined:
+                            stats.joined_at[st.key] = len(stats.batch_sizes)
+                            active.append(st)
+                            batched.clear()
+                        else:  # its first token ended it
+                            result = st.result()
+                            _leave(st)
+                            laps.lap("finish")
+                            yield st.key, result
+                            laps.lap("caller")
+            except Exception as e:  # noqa: BLE001
+                admitting = None
+                _leave(st)
+                laps.lap("finish")
+                yield st.key, e
+                laps.lap("caller")
+        if not active:
+            if admitting is None and arriving is None and exhausted and not queue:
+                laps.lap("loop")
+                return
+            continue
+        laps.lap("loop")
+        preempted, failed_growth = _grow_dense(active)
+        for st in preempted:  # newest first (their memory is already free): the oldest ends at the head of the queue
+            stats.preempted.append(st.key)
+            queue.appendleft(st.request)
+        laps.lap("grow")
+        for st, e in failed_growth:
+            _leave(st)
+            laps.lap("finish")
+            yield st.key, e
+            laps.lap("caller")
+        if preempted or failed_growth:
+            batched.clear()
+            waiting_for_room = False
+            if not active:
+                continue
+        laps.lap("loop")
+        replayed = getattr(batched.get("runner"), "graph", None) is not None
+        try:
+            tokens, logits = step_streams(backbone, active, batched, side, keep_logits, warmed)
+        except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
+            laps.lap("step")
+            for st in active:
+                _leave(st)
+                laps.lap("finish")
+                yield st.key, e
+                laps.lap("caller")
+            active, batched, waiting_for_room = [], {}, False
+            continue
+        ms = laps.lap("step") * 1e3
+        stats.step_at.append(laps.t)
+        stats.batch_sizes.append(len(active))
+        stats.step_ms.append(ms)
+        stats.step_kinds.append(_step_kind(batched.get("runner"), replayed))
+        stats.step_build_ms.append(batched.pop("build_ms", 0.0))
+        stats.step_after_ms.append(batched.pop("after_ms", 0.0))
+        failed = {}
+        for b, st in enumerate(active):
+            if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
+                failed[id(st)] = tokens[b]
+                st.done = True
+                continue
+            st.step_ms.append(ms)
+            st.emit(tokens[b], logits[b] if logits is not None else None)
+        laps.lap("emit")
+        if any(st.done for st in active):
+            for st in [st for st in active if st.done]:
+                stats.emitted_at[st.key] = st.emitted_at
+                result = failed.get(id(st)) or st.result()
+                _leave(st)
+                laps.lap("finish")
+                yield st.key, result
+                laps.lap("caller")
+            active = [st for st in active if not st.done]
+            batched.clear()
+            waiting_for_room = False
+
+
+def _step_kind(runner, replayed: bool) -> str:
+    """What a batched step just was: "replay" (of the composition's CUDA graph), "capture" (the step that recorded
+    it), or "eager" (warm-up steps, and every step off the graph path)."""
+    if replayed:
+        return "replay"
+    return "capture" if getattr(runner, "graph", None) is not None else "eager"
+
+
+def default_pool(backbone: Backbone, gb: float | None = None, fraction: float = 0.8):
+    """On CUDA, a `KVPool` of `gb` GB, or (None) `fraction` of the device memory free now: the budget batched
+    streams share; None on other devices (streams then allocate their own)."""
+    if backbone.device.type != "cuda":
+        return None
+    from wnw_exp.kv.pool import KVPool
+
+    budget = gb * 1e9 if gb is not None else torch.cuda.mem_get_info(backbone.device)[0] * fraction
+    return KVPool.of_bytes(budget, backbone.head_dim, backbone.dtype, backbone.device)
+
+
+def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
+    """Run `n` more prefill layers (None: all): (whether every layer has run, how many ran now)."""
+    k = 0
+    for _ in layers:
+        k += 1
+        if n is not None and k >= n:
+            return False, k
+    return True, k
+
+
+def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
+    """Place a prefilled stream's KV (in its pool, if any) and emit its first token. True: it joins the batch;
+    False: it is already done (its first token ended it); None: the pool lacks room now for its placed KV and the
+    expected growth of it and of the running streams (retry after a stream leaves). A stream that cannot fit an
+    empty pool raises PoolFull."""
+    from wnw_exp.kv.pool import PoolFull
+
+    reserve = 0
+    if active and getattr(st.store, "pool", None) is not None:  # alone, it joins when its placed KV fits
+        reserve = st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active
+                                                 if getattr(o.store, "pool", None) is not None)
+    try:
+        st.finish_prefill(reserve)
+    except PoolFull:
+        if not active:
+            stats.refused.append(st.key)
+            raise
+        return None
+    if st.path.store != "packed" or st.store.pool is None or not st.path.fused:
+        st.make_step()
+    return st.emit(st.next_token, st.logits)
+
+
+def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, Exception]]]:
+    """Before a step: every pooled stream's dense page for the token it appends, oldest stream first. Where the
+    pool has no free block, the newest stream is preempted (possibly the one asking, if it is the newest); a stream
+    alone fails. Removes them from `active` (a preempted stream's memory is freed here); returns (preempted,
+    newest first; [(failed, its error)])."""
+    from wnw_exp.kv.pool import PoolFull
+
+    preempted, failed = [], []
+    i = 0
+    while i < len(active):
+        st = active[i]
+        store = st.store
+        if getattr(store, "pool", None) is None or store.ensure_dense(store.n_text + st.index + 1):
+            i += 1
+            continue
+        if len(active) == 1:
+            pool = store.pool
+            rb = pool.block * pool.row_bytes
+            failed.append((st, PoolFull(
+                f"the KV pool cannot hold this stream's answer: at its generated token {st.index + 1} of at most "
+                f"{st.max_new_tokens} it needs another dense page ({store.n_rows} blocks, {store.n_rows * rb / 1e6:.2f} "
+                f"MB) and no other stream is left to preempt; it holds {store.pool_blocks() * rb / 1e6:.2f} MB of "
+                f"the pool's {pool.capacity_bytes / 1e6:.2f} MB")))
+            active.pop(i)
+            continue
+        victim = active.pop()  # the newest (st itself when it is the newest: then the loop ends)
+        _leave(victim)  # its memory is free before st asks again
+        preempted.append(victim)
+    return preempted, failed
+
+
+def _leave(st: Stream) -> None:
+    release = getattr(st.store, "release_memory", None)
+    if release is not None:
+        release()

@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a, overrides = ap.parse_known_args(argv)
     from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
     from wnw_exp.data import build_dataset
-    from wnw_exp.engine.decode import generate
-    from wnw_exp.engine.serve import Request, decode_batch, default_pool
+    from wnw_exp.engine.serve import Request, decode_batch, default_pool, generate
     from wnw_exp.engine.runner import ENGINE_PATHS, _prompt
     from wnw_exp.methods import build_policy
 

@@ -1,6 +1,6 @@
 """Decode speed at the text-decoder shapes of Voxtral-Mini-3B and Qwen2.5-Omni-3B (random bf16 weights, GPU).
 
-Every engine row is one call of the engine `wnw-run` runs (`engine.decode.generate`, as `engine.runner` calls it:
+Every engine row is one call of the engine `wnw-run` runs (`engine.serve.generate`, as `engine.runner` calls it:
 on CUDA the packed store, the fused step and one CUDA graph per token) with the real methods of
 src/wnw_exp/methods/; transformers' generate() is the anchor. There is no decoder here.
 
@@ -261,7 +261,8 @@ def scripted_wnw_class(n_audio: int, steps: int, speed: float, beta: float, reca
 
 # --- rows ----------------------------------------------------------------------------------------------
 def engine_row(bb, prompt, steps: int, policy=None, retention: float = 1.0, **path) -> dict:
-    from wnw_exp.engine.decode import decode_path, generate
+    from wnw_exp.engine.decode import decode_path
+    from wnw_exp.engine.serve import generate
     from wnw_exp.methods.base import Policy
 
     policy = policy if policy is not None else Policy()
@@ -286,7 +287,7 @@ def engine_row(bb, prompt, steps: int, policy=None, retention: float = 1.0, **pa
 def fused_vs_reference(bb, prompt, steps: int) -> dict:
     """Greedy tokens and logits of the default path against the reference path, full cache. In bf16 the tokens may
     part (random weights give near-tied logits): the logits are compared while the inputs agree."""
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
     from wnw_exp.methods.base import Policy
 
     runs = {name: generate(bb, prompt, Policy(), retention=1.0, max_new_tokens=steps, keep_logits=True, **path)
@@ -350,7 +351,7 @@ def profile_row(bb, prompt, policy, retention: float, steps: int, top: int = 15)
     per kernel over `steps`: the `top` kernels by GPU time per step (us), with their launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
 
     policy.check(retention)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])

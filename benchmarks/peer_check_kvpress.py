@@ -39,7 +39,7 @@ def dump(path: Path, seconds: float = 30.0) -> None:
     from wnw_exp.backbones.voxtral import VoxtralBackbone
     from wnw_exp.backbones.word_tokenizer import build_word_tokenizer
     from wnw_exp.backbones.layer import apply_rope
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
     from wnw_exp.methods.base import Policy
 
     class Recorder(Policy):

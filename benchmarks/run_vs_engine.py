@@ -3,7 +3,7 @@
 `wnw-run` records each sample's ms/token (`timings.jsonl`, the engine's `DecodeResult.ms_per_token`: the median
 step of that sample, the first sample's kernel compilation and graph capture included). This reads the directory's
 configuration (`.hydra/config.yaml`), rebuilds its backbone, method and data set, and decodes the same samples again
-through `engine.decode.generate` on the default path, warmed (`--warm` decodes first), each for its recorded answer
+through `engine.serve.generate` on the default path, warmed (`--warm` decodes first), each for its recorded answer
 length; the row compares the medians over the samples (and each sample's pair).
 
     PYTHONPATH=src python3 benchmarks/run_vs_engine.py outputs/runs/.../cfg-xxxxxxxx [--n 4] [--out x.json]
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
     from wnw_exp.data import build_dataset
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
     from wnw_exp.engine.runner import ENGINE_PATHS, _prompt
     from wnw_exp.methods import build_policy
 

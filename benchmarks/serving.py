@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -152,7 +151,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
 
 
 def latency_bs1(bb, prompt, method: str, info: dict, scores: Path, n_new: int, retention: float, path: dict) -> dict:
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
 
     r = target(method, retention)
     policy = policy_for(method, info, scores, prompt.n_audio, n_new)

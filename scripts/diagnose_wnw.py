@@ -79,7 +79,8 @@ def trace(ids: list[str], out: Path, overrides: list[str]) -> None:
 
     from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
     from wnw_exp.data import build_dataset
-    from wnw_exp.engine.decode import generate, max_new_tokens_for
+    from wnw_exp.engine.decode import max_new_tokens_for
+    from wnw_exp.engine.serve import generate
     from wnw_exp.methods import build_policy
     from wnw_exp.methods.placement_trace import PlacementTrace
     from wnw_exp.metrics import wer_counts

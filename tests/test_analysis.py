@@ -6,7 +6,7 @@ import torch
 
 from helpers import noise_audio, tiny_voxtral
 from wnw_exp.methods.mismatch import MismatchRecorder
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.methods.base import Policy, SampleContext
 
 T = 10

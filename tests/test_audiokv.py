@@ -6,7 +6,7 @@ import torch
 
 from helpers import noise_audio, tiny_voxtral
 from wnw_exp.head_scores import HeadScores
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.methods.audiokv import AudioKV, fft_smooth, head_budgets
 
 

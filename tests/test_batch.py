@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
-from wnw_exp.engine.decode import generate
-from wnw_exp.engine.serve import BatchStats, Request, decode_batch
+from wnw_exp.engine.serve import BatchStats, Request, decode_batch, generate
 from wnw_exp.kv.pool import KVPool, PoolFull
 from wnw_exp.methods import build_policy
 from wnw_exp.paths import conf_dir

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.methods.base import Policy
 
 N_NEW = 48

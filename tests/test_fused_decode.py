@@ -60,7 +60,7 @@ def _runs(backbone, prompt, method, paths: dict, n_new=10):
 
 
 def _generate(backbone, prompt, policy, n_new, **path):
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
 
     return generate(backbone, prompt, policy, retention=0.2 if policy.name != "full" else 1.0, max_new_tokens=n_new,
                     keep_logits=True, **path)

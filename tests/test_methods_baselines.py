@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import SampleContext
 from wnw_exp.methods.affpool import integer_keep_ratio, layer_counts, merge_threshold, run_groups

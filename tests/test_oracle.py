@@ -10,7 +10,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from helpers import noise_audio, tiny_voxtral
 from test_engine import hf_generate
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.methods import build_policy
 
 N_NEW = 24

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from helpers import noise_audio, tiny_voxtral
-from wnw_exp.engine.decode import Stream, decode_path, generate
-from wnw_exp.engine.serve import BatchStats, Request, decode_batch
+from wnw_exp.engine.decode import Stream, decode_path
+from wnw_exp.engine.serve import BatchStats, Request, decode_batch, generate
 from wnw_exp.kv.pool import KVPool
 from wnw_exp.methods import build_policy
 

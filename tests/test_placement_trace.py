@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, scores_for, tiny_voxtral
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.methods.base import Policy
 from wnw_exp.methods.mismatch import MismatchRecorder
 from wnw_exp.methods.placement_trace import PlacementTrace, _argmax_chunk

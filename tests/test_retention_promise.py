@@ -22,7 +22,7 @@ from pathlib import Path
 
 from helpers import noise_audio, scores_for, tiny_qwen_omni, tiny_voxtral
 from wnw_exp.backbones import load_backbone
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.kv.reference import AudioKVStore
 from wnw_exp.methods import REGISTRY, _import_all
 from wnw_exp.methods.affpool import layer_counts

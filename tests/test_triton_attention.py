@@ -210,7 +210,7 @@ def test_engine_on_the_packed_store_matches_the_reference_store(method):
     from pathlib import Path
 
     from helpers import noise_audio, tiny_voxtral
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
     from wnw_exp.methods import build_policy
 
     backbone = tiny_voxtral()

@@ -156,7 +156,7 @@ def test_shipped_weights_merge_exactly_and_the_engine_decodes_like_transformers(
 
     from test_engine import hf_generate
     from wnw_exp.data.synthetic import SyntheticDataset
-    from wnw_exp.engine.decode import generate
+    from wnw_exp.engine.serve import generate
     from wnw_exp.methods.base import Policy
 
     base, _, _ = assembled  # only read here

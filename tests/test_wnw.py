@@ -9,7 +9,7 @@ import torch
 from helpers import noise_audio, scores_for, tiny_voxtral
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScoresError
-from wnw_exp.engine.decode import generate
+from wnw_exp.engine.serve import generate
 from wnw_exp.kv.reference import AudioKVStore
 from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext

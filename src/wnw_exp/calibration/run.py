@@ -20,7 +20,8 @@ from wnw_exp.head_scores import HeadScores, code_version
 from wnw_exp.methods import registered_methods
 from wnw_exp.calibration.scores import (answer_token_words, default_k_top, group_mean, score_sample,
                                         token_audio_spans)
-from wnw_exp.engine.decode import generate, max_new_tokens_for
+from wnw_exp.engine.decode import max_new_tokens_for
+from wnw_exp.engine.serve import generate
 from wnw_exp.data import build_dataset
 
 

@@ -98,7 +98,7 @@ WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 class Stream:
     """One sample through the engine: its store, its policy (its own state: WnW's chunk swap, ArkVale's pages,
-    AdaKV's budgets), its positions and tokens. `generate` decodes one stream; `decode_batch` several at once.
+    AdaKV's budgets), its positions and tokens. `engine.serve.decode_batch` decodes them, one or many at once.
 
     Prefill is `prefill_layers` (a generator: one layer per item, so a scheduler can interleave a long prefill
     with the decode steps of running streams) then `finish_prefill` (the method's placement of every layer, then
@@ -151,6 +151,7 @@ class Stream:
         self.prefill_ms = 0.0
         self.logits: torch.Tensor | None = None
         self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
+        self.runner = None  # its `TokenRunner` (a fused step of its own), made at its first step
 
     def prefill_layers(self):
         """Prefill layer by layer (the backbone's modules, `backbones.layer.decoder_layer`); yields after each. Each
@@ -344,47 +345,6 @@ class TokenRunner:
         self.n += 1
 
 
-@torch.no_grad()
-def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
-             keep_logits: bool = False, store: str = "auto", fused: bool | None = None, graph: bool | None = None,
-             kernels: str = "auto") -> DecodeResult:
-    """Greedy decoding of one prompt with `policy` managing the audio KV: prefill layer by layer (the backbone's
-    modules, `backbones.layer.decoder_layer`), then one decode step per token (`engine.step`).
-
-    `store`: "reference" (kv.reference, the specification), "packed" (kv.packed) or "auto" (packed on CUDA with
-    Triton when the method runs on it, `policy.packed_store`). `fused`: the fused step (`FusedStep`, packed store)
-    instead of the reference step (`TorchStep`); None: on CUDA with Triton kernels. `graph`: capture the step,
-    the method's per-step decision and the store's moves in one CUDA graph, replayed per token (the first
-    `WARM_STEPS` run eagerly); None: whenever the fused step runs on CUDA and `policy.graph_safe`. `kernels`: the
-    fused step's and the packed store's kernels, "triton", "torch" (their PyTorch equivalents) or "auto" (triton
-    on CUDA when installed). The CPU default (reference store and step) is what every other path is tested
-    against; on CUDA every backbone family gets the fused graph path by default.
-    """
-    dev = backbone.device
-    path = decode_path(dev, policy, store, fused, graph, kernels)
-    stream = Stream(backbone, prompt, policy, retention=retention, max_new_tokens=max_new_tokens, path=path,
-                    keep_logits=keep_logits)
-    stream.prefill()
-    stream.make_step()
-    step, store = stream.step, stream.store
-    side = torch.cuda.Stream(dev) if path.fused and dev.type == "cuda" else None
-    runner = TokenRunner(step, dev, side) if path.fused else None
-    logits = stream.logits
-    for i in range(max_new_tokens):
-        if not stream.emit(int(step.tok), logits):
-            break
-        t0 = time.perf_counter()
-        if runner is not None:  # (a store may have fallen back to host copies: then no graph)
-            runner(i, stream.after_step, graph=path.graph and store.graph_safe)
-        else:
-            step(i)
-            stream.after_step(i)
-        logits = step.logits
-        _sync(dev)
-        stream.step_ms.append((time.perf_counter() - t0) * 1e3)
-    return stream.result()
-
-
 def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, keep_logits: bool,
               warmed: set | None = None) -> tuple[list[int], list | None]:
     """One decode step of every running stream; their next tokens (one host read) and, if kept, logits. `warmed`:
@@ -395,10 +355,12 @@ def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, 
         for st in active:
             i = st.index
             try:
-                if st.path.fused:
-                    st.step.body()
-                    st.after_step(i)
-                    st.step.head()
+                if st.path.fused:  # its own runner: on CUDA the side stream and its own graph
+                    if st.runner is None:
+                        dev = backbone.device
+                        st.runner = TokenRunner(st.step, dev, torch.cuda.Stream(dev) if dev.type == "cuda" else None)
+                    # (a store may have fallen back to host copies: then no graph)
+                    st.runner(i, st.after_step, graph=st.path.graph and st.store.graph_safe)
                 else:
                     st.step(i)
                     st.after_step(i)

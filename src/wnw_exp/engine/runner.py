@@ -27,7 +27,8 @@ from tqdm import tqdm
 import wnw_exp
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.data import build_dataset
-from wnw_exp.engine.decode import generate, max_new_tokens_for
+from wnw_exp.engine.decode import max_new_tokens_for
+from wnw_exp.engine.serve import generate
 from wnw_exp.rundir import (RunDirLock, aggregate, append_prediction, check_identity, identity_record,
                                    read_predictions, write_identity, write_metrics)
 from wnw_exp.methods import build_policy

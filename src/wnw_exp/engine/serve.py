@@ -1,9 +1,10 @@
 """Serving many requests with the one decode engine (`engine.decode`): continuous batching, admission by the KV
 pool's room, recompute preemption, prefill scheduled beside the decode steps, and where the wall time went.
 
-`decode_batch` is the scheduler: it makes each request's `Stream`, runs its prefill (on a CUDA stream of its own
-while others decode, `overlap_prefill`), admits it when the pool has room, and steps every running stream at once
-(`engine.decode.step_streams`); `wnw-run batch_size=` and `benchmarks/serving.py` run it.
+`decode_batch` is the one decode loop: it makes each request's `Stream`, runs its prefill (on a CUDA stream of its
+own while others decode, `overlap_prefill`), admits it when the pool has room, and steps every running stream at
+once (`engine.decode.step_streams`); `wnw-run batch_size=` and `benchmarks/serving.py` run it, and `generate` is
+it with one request.
 """
 
 from __future__ import annotations
@@ -379,3 +380,31 @@ def _leave(st: Stream) -> None:
     release = getattr(st.store, "release_memory", None)
     if release is not None:
         release()
+
+
+@torch.no_grad()
+def generate(backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
+             keep_logits: bool = False, store: str = "auto", fused: bool | None = None, graph: bool | None = None,
+             kernels: str = "auto") -> DecodeResult:
+    """Greedy decoding of one prompt with `policy` managing the audio KV: `decode_batch` with this one request
+    (the same loop as a batch: prefill layer by layer, the backbone's modules, `backbones.layer.decoder_layer`,
+    then one decode step per token, `engine.step`), its store on its own (no pool).
+
+    `store`: "reference" (kv.reference, the specification), "packed" (kv.packed) or "auto" (packed on CUDA with
+    Triton when the method runs on it, `policy.packed_store`). `fused`: the fused step (`FusedStep`, packed store)
+    instead of the reference step (`TorchStep`); None: on CUDA with Triton kernels. `graph`: capture the step,
+    the method's per-step decision and the store's moves in one CUDA graph, replayed per token (the first
+    `WARM_STEPS` run eagerly); None: whenever the fused step runs on CUDA and `policy.graph_safe`. `kernels`: the
+    fused step's and the packed store's kernels, "triton", "torch" (their PyTorch equivalents) or "auto" (triton
+    on CUDA when installed). The CPU default (reference store and step) is what every other path is tested
+    against; on CUDA every backbone family gets the fused graph path by default. Raises what the request failed
+    with.
+    """
+    decode_path(backbone.device, policy, store, fused, graph, kernels)  # a bad choice raises here, before any work
+    for _, result in decode_batch(backbone, [Request(None, prompt, max_new_tokens)], lambda: policy,
+                                  retention=retention, max_concurrent=1, keep_logits=keep_logits, store=store,
+                                  fused=fused, graph=graph, kernels=kernels, overlap_prefill=False):
+        if isinstance(result, Exception):
+            raise result
+        return result
+    raise AssertionError("decode_batch ended without a result for its one request")

@@ -5,15 +5,16 @@ Triage (once per retention target, from `method.head_scores`): heads ranked by V
 other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
 their audio, s~ = score / max score over non-anchor heads.
 
-lambda (`lam: auto`) is solved per sample, by bisection. With `recall_budget: peak` (the default) it is the largest
-lambda whose peak r_GPU fits the target, so that no decode step holds more (the retention promise,
-docs/reliability.md): the prefill footprint (anchors whole, the exact per-segment floors) plus each tidal head's
-recall room, its host-tier positions in the `peak_recalled_segments` segments the chunk swap can hold recalled at
-once (`triage.recall_room`, `triage.solve_peak_lambda`); the packed store reserves that room, read from the placed
-masks (`recall_headroom`). Where even lambda = 0 does not fit (a short clip, whose every segment can be recalled, costs
-each tidal head its whole audio at the peak), the least important tidal heads become fixed heads for that sample
-(`triage.demote_tidal`, `n_demoted_tidal` in the knobs); anchors that alone exceed the target are refused before
-any sample (`check`). The mean r_GPU is then under the target by the room the steps leave unused.
+lambda (`lam: auto`) is solved per sample, by bisection (it depends on the sample only through its audio length: it
+is solved once per length and target, and a policy's forks share it, `WnW._solution`). With `recall_budget: peak`
+(the default) it is the largest lambda whose peak r_GPU fits the target, so that no decode step holds more (the
+retention promise, docs/reliability.md): the prefill footprint (anchors whole, the exact per-segment floors) plus
+each tidal head's recall room, its host-tier positions in the `peak_recalled_segments` segments the chunk swap can
+hold recalled at once (`triage.recall_room`, `triage.solve_peak_lambda`); the packed store reserves that room, read
+from the placed masks (`recall_headroom`). Where even lambda = 0 does not fit (a short clip, whose every segment can
+be recalled, costs each tidal head its whole audio at the peak), the least important tidal heads become fixed heads
+for that sample (`triage.demote_tidal`, `n_demoted_tidal` in the knobs); anchors that alone exceed the target are
+refused before any sample (`check`). The mean r_GPU is then under the target by the room the steps leave unused.
 
 With `recall_budget: expected` lambda makes the expected r_GPU of §3.4 (the on-device audio share averaged over
 decode steps) come within `lambda_tolerance` of the target instead (single steps then exceed it):

@@ -11,7 +11,8 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
 - `retentions`: Eq. (1), retention_i = min(s~_i * lambda, 1); anchors 1.
 - `prefill_r_gpu`: the on-device audio fraction right after prefill, counted exactly as the per-segment
   selection keeps it (sum over segments of floor(retention * segment length); the last segment may be
-  shorter than n_s and is floored on its own length).
+  shorter than n_s and is floored on its own length); `kept_per_head` is one head's count, `kept_counts` every head's
+  at once (the solvers evaluate all heads per lambda).
 - `resident_segment_bounds` / `expected_resident_segments`: how many segments the decode-time chunk swap
   holds recalled at a step, from the swap's geometry (top-k chunks, delta, chunk overlap, segment count)
   and one constant, the anchor attention's mobility; `expected_r_gpu` adds the tidal heads' recalled

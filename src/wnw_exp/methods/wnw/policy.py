@@ -497,9 +497,9 @@ class WnW(Policy):
         first chunk swap, an eager one)."""
         if self._pairs is None:
             rows, counts, pos = self._host_tier()
-            rows, pos = torch.from_numpy(np.repeat(rows, counts)), torch.from_numpy(pos)
             dev = self.ctx.device
-            self._pairs = rows.to(dev), pos.to(dev), (pos // self.n_s).to(dev)
+            pos = torch.from_numpy(pos).to(dev)
+            self._pairs = torch.from_numpy(np.repeat(rows, counts)).to(dev), pos, pos // self.n_s
         return self._pairs
 
     def _queue(self, recall: torch.Tensor, release: torch.Tensor) -> None:

@@ -5,15 +5,16 @@ Triage (once per retention target, from `method.head_scores`): heads ranked by V
 other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
 their audio, s~ = score / max score over non-anchor heads.
 
-lambda (`lam: auto`) is solved per sample, by bisection. With `recall_budget: peak` (the default) it is the largest
-lambda whose peak r_GPU fits the target, so that no decode step holds more (the retention promise,
-docs/reliability.md): the prefill footprint (anchors whole, the exact per-segment floors) plus each tidal head's
-recall room, its host-tier positions in the `peak_recalled_segments` segments the chunk swap can hold recalled at
-once (`triage.recall_room`, `triage.solve_peak_lambda`); the packed store reserves that room, read from the placed
-masks (`recall_headroom`). Where even lambda = 0 does not fit (a short clip, whose every segment can be recalled, costs
-each tidal head its whole audio at the peak), the least important tidal heads become fixed heads for that sample
-(`triage.demote_tidal`, `n_demoted_tidal` in the knobs); anchors that alone exceed the target are refused before
-any sample (`check`). The mean r_GPU is then under the target by the room the steps leave unused.
+lambda (`lam: auto`) is solved per sample, by bisection (it depends on the sample only through its audio length: it
+is solved once per length and target, and a policy's forks share it, `WnW._solution`). With `recall_budget: peak`
+(the default) it is the largest lambda whose peak r_GPU fits the target, so that no decode step holds more (the
+retention promise, docs/reliability.md): the prefill footprint (anchors whole, the exact per-segment floors) plus
+each tidal head's recall room, its host-tier positions in the `peak_recalled_segments` segments the chunk swap can
+hold recalled at once (`triage.recall_room`, `triage.solve_peak_lambda`); the packed store reserves that room, read
+from the placed masks (`recall_headroom`). Where even lambda = 0 does not fit (a short clip, whose every segment can
+be recalled, costs each tidal head its whole audio at the peak), the least important tidal heads become fixed heads
+for that sample (`triage.demote_tidal`, `n_demoted_tidal` in the knobs); anchors that alone exceed the target are
+refused before any sample (`check`). The mean r_GPU is then under the target by the room the steps leave unused.
 
 With `recall_budget: expected` lambda makes the expected r_GPU of §3.4 (the on-device audio share averaged over
 decode steps) come within `lambda_tolerance` of the target instead (single steps then exceed it):
@@ -89,6 +90,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -105,6 +107,21 @@ RECALL_BUDGETS = ("peak", "expected", "none")
 SWAP_STARTS = ("prefill", "decode")
 HEAD_SCALES = ("importance", "flat")
 DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it per model
+
+
+class _Solutions(OrderedDict):
+    """`WnW._solution`'s cache: the most recently used `size` keys. A policy's forks share it (`copy.deepcopy`, which
+    `Policy.fork` makes, returns it itself)."""
+
+    size = 32
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+    def __deepcopy__(self, memo) -> "_Solutions":
+        return self
 
 
 @register
@@ -159,6 +176,7 @@ class WnW(Policy):
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         self._triage_cache: dict[float, tuple] = {}
+        self._solutions = _Solutions()  # `_solution`: per (sample length, target, ...), shared with the forks
 
     # --- triage (per retention target) -----------------------------------------------------------
     def triage_for(self, retention: float) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -202,50 +220,13 @@ class WnW(Policy):
         if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
             raise ValueError(f"head scores are for {self.importance.shape} (layers, KV heads), the model has "
                              f"{(ctx.n_layers, ctx.n_kv_heads)}")
-        roles, s_tilde, self.n_voice, self.n_anchor = self.triage_for(ctx.retention)
         self._check_chunks(ctx.token_rate)
-        self.n_c, self.n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
-        # Segments a tidal head may hold recalled at once (see `recall_headroom`).
-        self.peak_segments = triage.peak_recalled_segments(ctx.n_audio, self.n_s, self.n_c, self.top_k, self.delta)
+        vars(self).update(self._solution(ctx))
         n_a = ctx.n_audio
-        if self.recall_budget == "peak" and self.lam_cfg in (None, "auto"):
-            # the tidal heads' recall room must fit beside the anchors even at lambda = 0 (short clips, low targets)
-            roles = triage.demote_tidal(self.importance, roles, n_a, self.n_s, self.peak_segments, ctx.retention,
-                                        self.selection, self.quota)
-        self.roles = roles
-        self.n_demoted = int((self.triage_for(ctx.retention)[0] == triage.TIDAL).sum() - (roles == triage.TIDAL).sum())
-        self.mobility, self.mobility_source = self._mobility()
-        if self.recall_budget != "none":
-            self.expected_resident = triage.expected_resident_segments(n_a, self.n_s, self.n_c, self.top_k,
-                                                                       self.delta, self.mobility)
-        else:
-            self.expected_resident = 0.0
-        n_seg = math.ceil(n_a / self.n_s) if n_a else 1
-        resident_fraction = self.expected_resident / n_seg
-        if self.lam_cfg not in (None, "auto"):
-            self.lam = float(self.lam_cfg)
-        elif self.recall_budget == "peak":
-            self.lam = triage.solve_peak_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention,
-                                                self.peak_segments, self.selection, self.quota).lam
-        else:
-            self.lam = triage.solve_lambda(s_tilde, self.roles, n_a, self.n_s, ctx.retention, self.tolerance,
-                                           resident_fraction=resident_fraction, quota=self.quota).lam
-        self.retention = triage.retentions(s_tilde, self.roles, self.lam)
-        self.prefill_r_gpu = triage.prefill_r_gpu(self.retention, self.roles, n_a, self.n_s, self.quota)
-        self.expected_r_gpu = triage.expected_r_gpu(self.retention, self.roles, n_a, self.n_s, resident_fraction,
-                                                    self.quota)
-        self.peak_r_gpu = triage.peak_r_gpu(self.retention, self.roles, n_a, self.n_s, self.peak_segments,
-                                            self.selection, self.quota)
-        g = ctx.group
-        self.anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(self.roles[li] == triage.ANCHOR) for j in range(g)]
-                         for li in range(ctx.n_layers)}
-        self.has_anchors = any(self.anchor_q.values())
-        self.tidal = [(int(li), int(k)) for li, k in zip(*np.nonzero(self.roles == triage.TIDAL))]
         self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta)
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self._offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._unread: list[tuple[int, list[int], torch.Tensor]] = []  # placed layers whose masks `offloaded` reads
-        self._plan: dict | None = None  # what `place` needs, made at its first call (`_placement`)
         self._host_index: tuple[np.ndarray, np.ndarray] | None = None  # built at the first chunk swap
         self._held: tuple = ([], [])  # lag 2: the decision waiting one step
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
@@ -270,6 +251,65 @@ class WnW(Policy):
                 self._fused_swap = FusedChunkSwap(self.device_swap, self._rec, self._t, self.n_s, self.n_c,
                                                   self.top_k, self.delta)
 
+    def _solution(self, ctx: SampleContext) -> dict:
+        """`start`'s attributes that follow from the sample's length, target, token rate and GQA group and from the
+        policy's settings alone (triage, lambda, the r_GPU figures, the anchors' query heads; `_solve`): made once per
+        such key and shared, read-only, by the policy and its forks (`_Solutions`), so the streams of a batch with
+        the same audio length pay for them once."""
+        mobility = self._mobility()
+        key = (ctx.n_audio, ctx.retention, ctx.token_rate, ctx.group, mobility, self.importance.tobytes(),
+               self.n_voice_cfg, self.n_anchor_cfg, self.lam_cfg, self.tolerance, self.signal, self.selection,
+               self.chunk_seconds, self.stride_seconds, self.top_k, self.delta, self.recall_budget, self.quota,
+               self.head_scale)
+        solution = self._solutions.get(key)
+        if solution is None:
+            solution = self._solutions[key] = self._solve(ctx, *mobility)
+        self._solutions.move_to_end(key)
+        return solution
+
+    def _solve(self, ctx: SampleContext, mobility: float, mobility_source: str) -> dict:
+        """Triage and lambda for one sample length and target (see the module docstring): the attributes `start`
+        sets from them, and an empty `_plans` for `_placement`."""
+        roles, s_tilde, n_voice, n_anchor = self.triage_for(ctx.retention)
+        n_c, n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
+        # Segments a tidal head may hold recalled at once (see `recall_headroom`).
+        peak_segments = triage.peak_recalled_segments(ctx.n_audio, n_s, n_c, self.top_k, self.delta)
+        n_a = ctx.n_audio
+        if self.recall_budget == "peak" and self.lam_cfg in (None, "auto"):
+            # the tidal heads' recall room must fit beside the anchors even at lambda = 0 (short clips, low targets)
+            roles = triage.demote_tidal(self.importance, roles, n_a, n_s, peak_segments, ctx.retention,
+                                        self.selection, self.quota)
+        n_demoted = int((self.triage_for(ctx.retention)[0] == triage.TIDAL).sum() - (roles == triage.TIDAL).sum())
+        if self.recall_budget != "none":
+            expected_resident = triage.expected_resident_segments(n_a, n_s, n_c, self.top_k, self.delta, mobility)
+        else:
+            expected_resident = 0.0
+        n_seg = math.ceil(n_a / n_s) if n_a else 1
+        resident_fraction = expected_resident / n_seg
+        if self.lam_cfg not in (None, "auto"):
+            lam = float(self.lam_cfg)
+        elif self.recall_budget == "peak":
+            lam = triage.solve_peak_lambda(s_tilde, roles, n_a, n_s, ctx.retention, peak_segments, self.selection,
+                                           self.quota).lam
+        else:
+            lam = triage.solve_lambda(s_tilde, roles, n_a, n_s, ctx.retention, self.tolerance,
+                                      resident_fraction=resident_fraction, quota=self.quota).lam
+        retention = triage.retentions(s_tilde, roles, lam)
+        g = ctx.group
+        anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(roles[li] == triage.ANCHOR) for j in range(g)]
+                    for li in range(ctx.n_layers)}
+        for x in (roles, retention):
+            x.flags.writeable = False  # shared by every stream of this key
+        return dict(n_voice=n_voice, n_anchor=n_anchor, n_c=n_c, n_s=n_s, peak_segments=peak_segments, roles=roles,
+                    n_demoted=n_demoted, mobility=mobility, mobility_source=mobility_source,
+                    expected_resident=expected_resident, lam=lam, retention=retention,
+                    prefill_r_gpu=triage.prefill_r_gpu(retention, roles, n_a, n_s, self.quota),
+                    expected_r_gpu=triage.expected_r_gpu(retention, roles, n_a, n_s, resident_fraction, self.quota),
+                    peak_r_gpu=triage.peak_r_gpu(retention, roles, n_a, n_s, peak_segments, self.selection,
+                                                 self.quota),
+                    anchor_q=anchor_q, has_anchors=any(anchor_q.values()),
+                    tidal=[(int(li), int(k)) for li, k in zip(*np.nonzero(roles == triage.TIDAL))], _plans={})
+
     @property
     def recall_headroom(self) -> np.ndarray:
         """Device rows each (layer, KV head) = row l * H_kv + h may gain beyond its prefill selection, (L * H_kv,):
@@ -278,12 +318,11 @@ class WnW(Policy):
         top_k chunks, as the packed store releases lazily), which is at most all its host-tier positions; 0
         for every other head. Exact for any selection (segment or global). The packed store raises if a
         recall would ever exceed it. Read after `place` has run on every layer."""
-        H = self.ctx.n_kv_heads
-        room = np.zeros(self.ctx.n_layers * H, np.int64)
-        n_seg = len(self.swap.segments)
-        for (li, k), pos in self.offloaded.items():
-            per_seg = np.bincount(pos.numpy() // self.n_s, minlength=n_seg)
-            room[li * H + k] = np.sort(per_seg)[::-1][: self.peak_segments].sum()
+        room = np.zeros(self.ctx.n_layers * self.ctx.n_kv_heads, np.int64)
+        rows, counts, pos = self._host_tier()
+        n_seg, m = len(self.swap.segments), len(rows)
+        per_seg = np.bincount(np.repeat(np.arange(m), counts) * n_seg + pos // self.n_s, minlength=m * n_seg)
+        room[rows] = np.sort(per_seg.reshape(m, n_seg), axis=1)[:, ::-1][:, : self.peak_segments].sum(axis=1)
         return room
 
     def _mobility(self) -> tuple[float, str]:
@@ -331,23 +370,26 @@ class WnW(Policy):
             self._unread.append((layer, tidal_heads, keep))
 
     def _placement(self, n_a: int) -> dict:
-        """What `place` needs for every layer, made once per sample: each (layer, KV head)'s per-block quotas
-        (`triage.block_quotas`), which heads are placed (non-anchor, retention < 1) and which of those are tidal, and
-        every layer's anchor query heads (`anchor_q[anchor_at[l]:anchor_at[l + 1]]`), on the device (copied from
-        pinned memory on CUDA: no host read); each layer's placed tidal heads on the host."""
-        if self._plan is None or self._plan["n_audio"] != n_a:
+        """What `place` needs for every layer: each (layer, KV head)'s per-block quotas (`triage.block_quotas`), which
+        heads are placed (non-anchor, retention < 1) and which of those are tidal, and every layer's anchor query heads
+        (`anchor_q[anchor_at[l]:anchor_at[l + 1]]`), on the device (copied from pinned memory on CUDA: no host read);
+        each layer's placed tidal heads on the host. Made once per audio length and device for every stream of the
+        same `_solution` (read-only)."""
+        key = (n_a, str(self.ctx.device))
+        plan = self._plans.get(key)
+        if plan is None:
             quotas, block = triage.block_quotas(self.retention, n_a, self.n_s, self.selection, self.quota)
             placed = (self.roles != triage.ANCHOR) & (self.retention < 1.0)
             tidal = placed & (self.roles == triage.TIDAL)
             table = self._to_device(np.concatenate([quotas, placed[..., None], tidal[..., None]], axis=-1))
             layers = range(self.ctx.n_layers)
             anchor_q = np.array([q for li in layers for q in self.anchor_q[li]], np.int64)
-            self._plan = dict(n_audio=n_a, block=block, quotas=table[..., :-2], placed=table[..., -2] > 0,
-                              tidal=table[..., -1] > 0, placed_host=placed,
-                              tidal_heads=[np.flatnonzero(t).tolist() for t in tidal],
-                              anchor_q=self._to_device(anchor_q),
-                              anchor_at=np.cumsum([0] + [len(self.anchor_q[li]) for li in layers]).tolist())
-        return self._plan
+            plan = self._plans[key] = dict(
+                block=block, quotas=table[..., :-2], placed=table[..., -2] > 0, tidal=table[..., -1] > 0,
+                placed_host=placed, tidal_heads=[np.flatnonzero(t).tolist() for t in tidal],
+                anchor_q=self._to_device(anchor_q),
+                anchor_at=np.cumsum([0] + [len(self.anchor_q[li]) for li in layers]).tolist())
+        return plan
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         """A host array on the sample's device; on CUDA copied from pinned memory, asynchronously (no host read)."""
@@ -359,12 +401,23 @@ class WnW(Policy):
         """Tidal head (layer, KV head) -> its host-tier positions, a sorted CPU long tensor, in placement order. The
         masks of the layers placed since the last read are read from the device here, in one copy."""
         if self._unread:
-            masks = torch.stack([keep for _, _, keep in self._unread]).cpu()
-            for (layer, heads, _), keep in zip(self._unread, masks):
-                for k in heads:
-                    self._offloaded[(layer, k)] = (~keep[k]).nonzero().flatten()
+            masks = torch.stack([keep for _, _, keep in self._unread]).cpu()  # (layers, H_kv, n_audio)
+            H, n = masks.shape[1:]
+            at = torch.tensor([i * H + k for i, (_, heads, _) in enumerate(self._unread) for k in heads])
+            host = ~masks.view(-1, n)[at]  # the tidal heads' host tiers, in placement order
+            pos = host.nonzero(as_tuple=True)[1].split(host.sum(dim=1).tolist())
+            for head, p in zip(((layer, k) for layer, heads, _ in self._unread for k in heads), pos):
+                self._offloaded[head] = p
             self._unread = []
         return self._offloaded
+
+    def _host_tier(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`offloaded` as arrays: each tidal head's row (l * H_kv + h) and host-tier count, and every position."""
+        off, H = self.offloaded, self.ctx.n_kv_heads
+        rows = np.array([li * H + k for li, k in off], np.int64)
+        counts = np.array([len(c) for c in off.values()], np.int64)
+        pos = torch.cat(list(off.values())).numpy() if off else np.zeros(0, np.int64)
+        return rows, counts, pos
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         self.scores_acc += probs.sum(dim=0)
@@ -443,12 +496,10 @@ class WnW(Policy):
         """Every tidal head's host-tier (row, position) pairs and their segments, int64 device tensors (made at the
         first chunk swap, an eager one)."""
         if self._pairs is None:
-            H = self.ctx.n_kv_heads
-            rows = [torch.full((len(c),), li * H + k) for (li, k), c in self.offloaded.items()]
-            pos = list(self.offloaded.values())
-            rows, pos = (torch.cat(rows), torch.cat(pos)) if rows else (torch.zeros(0, dtype=torch.long),) * 2
+            rows, counts, pos = self._host_tier()
             dev = self.ctx.device
-            self._pairs = rows.to(dev), pos.to(dev), (pos // self.n_s).to(dev)
+            pos = torch.from_numpy(pos).to(dev)
+            self._pairs = torch.from_numpy(np.repeat(rows, counts)).to(dev), pos, pos // self.n_s
         return self._pairs
 
     def _queue(self, recall: torch.Tensor, release: torch.Tensor) -> None:
@@ -516,10 +567,8 @@ class WnW(Policy):
         if not segs:
             return
         if self._host_index is None:  # (rows, positions) of every tidal head's host tier, by position
-            H = self.ctx.n_kv_heads
-            rows = [np.full(len(c), li * H + k) for (li, k), c in self.offloaded.items()]
-            pos = [c.numpy() for c in self.offloaded.values()]
-            rows, pos = (np.concatenate(rows), np.concatenate(pos)) if rows else (np.zeros(0, int), np.zeros(0, int))
+            rows, counts, pos = self._host_tier()
+            rows = np.repeat(rows, counts)
             order = np.argsort(pos, kind="stable")
             starts = np.array([b for b, _ in self.swap.segments] + [self.ctx.n_audio], np.int64)
             self._host_index = rows[order], pos[order], np.searchsorted(pos[order], starts)

@@ -11,7 +11,8 @@ positions; nothing touches a model or the KV store, so each rule can be tested o
 - `retentions`: Eq. (1), retention_i = min(s~_i * lambda, 1); anchors 1.
 - `prefill_r_gpu`: the on-device audio fraction right after prefill, counted exactly as the per-segment
   selection keeps it (sum over segments of floor(retention * segment length); the last segment may be
-  shorter than n_s and is floored on its own length).
+  shorter than n_s and is floored on its own length); `kept_per_head` is one head's count, `kept_counts` every head's
+  at once (the solvers evaluate all heads per lambda).
 - `resident_segment_bounds` / `expected_resident_segments`: how many segments the decode-time chunk swap
   holds recalled at a step, from the swap's geometry (top-k chunks, delta, chunk overlap, segment count)
   and one constant, the anchor attention's mobility; `expected_r_gpu` adds the tidal heads' recalled
@@ -153,6 +154,17 @@ def kept_per_head(ret: float, n_audio: int, n_s: int, retention_one_keeps_all: b
     return full * math.floor(ret * n_s + _EPS) + math.floor(ret * rest + _EPS)
 
 
+def kept_counts(ret: np.ndarray, n_audio: int, n_s: int, quota: str = "floor") -> np.ndarray:
+    """`kept_per_head` of every head at once (int64, `ret`'s shape): the same float64 arithmetic, so the same counts."""
+    ret = np.asarray(ret, np.float64)
+    if quota == "spread":
+        kept = np.floor(ret * n_audio + _EPS)
+    else:
+        full, rest = divmod(n_audio, n_s)
+        kept = full * np.floor(ret * n_s + _EPS) + np.floor(ret * rest + _EPS)
+    return np.where(ret >= 1.0, n_audio, kept).astype(np.int64)
+
+
 def segment_quotas(ret: float, n_audio: int, n_s: int, quota: str = "floor") -> np.ndarray:
     """Positions each segment keeps: floor(ret * length) (`floor`), or floor(ret * end) - floor(ret * start)
     (`spread`: the same fractional budget, the remainders handed to every 1/frac-th segment)."""
@@ -169,8 +181,7 @@ def prefill_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, qu
     """On-device audio fraction after prefill (§3.4's r_GPU before any recall)."""
     if n_audio == 0:
         return 1.0
-    kept = sum(n_audio if role == ANCHOR else kept_per_head(float(r), n_audio, n_s, quota=quota)
-               for r, role in zip(np.ravel(ret), np.ravel(roles)))
+    kept = int(np.where(np.asarray(roles) == ANCHOR, n_audio, kept_counts(ret, n_audio, n_s, quota)).sum())
     return kept / (np.size(roles) * n_audio)
 
 
@@ -255,7 +266,7 @@ def recall_room(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segm
     bounds = np.array(segment_bounds(n_audio, n_s), np.int64).reshape(-1, 2)
     length = bounds[:, 1] - bounds[:, 0]
     if selection == "global":
-        missing = n_audio - np.vectorize(lambda r: kept_per_head(float(r), n_audio, n_s, quota=quota))(ret)
+        missing = n_audio - kept_counts(ret, n_audio, n_s, quota)
         per_head = np.minimum(missing, np.sort(length)[::-1][:segments].sum())
     else:
         quotas, _ = block_quotas(ret, n_audio, n_s, "segment", quota)
@@ -285,12 +296,14 @@ def demote_tidal(importance: np.ndarray, roles: np.ndarray, n_audio: int, n_s: i
         return roles
     roles = roles.copy()
     flat, imp = roles.reshape(-1), np.asarray(importance, np.float64).reshape(-1)
-    for i in np.argsort(imp, kind="stable"):  # least important first (ties: the earlier head)
-        if flat[i] != TIDAL:
-            continue
-        flat[i] = FIXED
-        if peak_r_gpu(zero, roles, n_audio, n_s, segments, selection, quota) <= target:
-            break
+    order = [i for i in np.argsort(imp, kind="stable") if flat[i] == TIDAL]  # least important first (ties: earlier)
+    # At lambda = 0 a fixed head keeps nothing, as a tidal head does: demoting one only takes its room off the peak
+    # (`peak_r_gpu` after each demotion, in the same arithmetic).
+    base = prefill_r_gpu(zero, roles, n_audio, n_s, quota)
+    room = recall_room(zero, roles, n_audio, n_s, segments, selection, quota).reshape(-1)
+    left = int(room.sum()) - np.cumsum(room[order])
+    fits = np.flatnonzero(base + left / (np.size(roles) * n_audio) <= target)
+    flat[order[: fits[0] + 1 if fits.size else len(order)]] = FIXED
     return roles
 
 
@@ -314,8 +327,8 @@ def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, r
     """
     r = prefill_r_gpu(ret, roles, n_audio, n_s, quota)
     if resident_fraction and n_audio:
-        missing = sum(n_audio - kept_per_head(float(x), n_audio, n_s, quota=quota)
-                      for x, role in zip(np.ravel(ret), np.ravel(roles)) if role == TIDAL)
+        tidal = np.asarray(roles) == TIDAL
+        missing = int((n_audio - kept_counts(ret, n_audio, n_s, quota))[tidal].sum())
         r += resident_fraction * missing / (np.size(roles) * n_audio)
     return r
 
@@ -347,6 +360,8 @@ def solve_peak_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s:
     lo, hi = 0.0, lam_max  # r(lo) <= target < r(hi)
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):  # adjacent floats: no later step changes lo or hi
+            break
         if r(mid) <= target:
             lo = mid
         else:
@@ -392,6 +407,8 @@ def solve_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int,
         return LambdaSolution(0.0, r_low, False)
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):  # adjacent floats: no later step changes lo or hi
+            break
         if r(mid) >= target:
             hi = mid
         else:
@@ -583,9 +600,10 @@ class DeviceChunkSwap:
         self.starts = torch.as_tensor(host._starts, device=device)
         self.ends = torch.as_tensor(host._ends, device=device)
         self.length = (self.ends - self.starts).double()
-        self.member = torch.zeros(self.n_chunks, self.n_seg, dtype=torch.bool, device=device)  # chunk -> segments
+        member = np.zeros((self.n_chunks, self.n_seg), bool)  # chunk -> segments
         for c, segs in enumerate(host.chunk_segments):
-            self.member[c, segs] = True
+            member[c, segs] = True
+        self.member = torch.as_tensor(member, device=device)
         self.recalled = torch.zeros(self.n_seg, dtype=torch.bool, device=device)
         self.unselected = torch.zeros(self.n_seg, dtype=torch.long, device=device)
         self._c = torch.zeros(n_audio + 1, dtype=torch.float64, device=device)

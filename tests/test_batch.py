@@ -238,6 +238,54 @@ def test_expected_new_tokens_knob():
         expected_new_tokens(req, 1.5)
 
 
+@pytest.mark.parametrize("in_pool", [True, False])
+def test_attention_layout_addresses_every_key_of_the_store(in_pool):
+    """`attention_layout()` is all a step needs to find a placed store's keys: each resident audio position p of
+    (layer, head) at row audio_off + its slot, inside the head's caps; each dense token t (in a pool) at
+    block_table[layer, head, t // page] + t % page. Checked against the keys written at prefill."""
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.kv.reference import AudioKVStore
+
+    assert AudioKVStore(1, 1, 4, 3, torch.device("cpu"), torch.float32, 2).pool is None  # every store answers
+    torch.manual_seed(0)
+    L, H, D, N, pre, post = 2, 3, 8, 40, 5, 3
+    pool = KVPool(4096, D, torch.float32, "cpu", block=4) if in_pool else None
+    if in_pool:
+        pool.alloc(12)  # the store's rows do not start at pool row 0
+    st = PackedAudioKVStore(L, H, D, N, torch.device("cpu"), torch.float32, dense_capacity=6, kernels="torch",
+                            pool=pool, host_mirror=True)
+    assert st.pool is pool and st.kernels == "torch"
+    ks = [torch.randn(H, pre + N + post, D) for _ in range(L)]
+    keep = {}
+    for li in range(L):
+        st.write_prefill(li, ks[li], torch.randn_like(ks[li]), (pre, pre + N))
+        for h in range(H):
+            keep[li, h] = torch.randperm(N)[: 4 + 7 * h].sort().values
+            st.set_tiers(li, h, keep[li, h], torch.arange(N) if h == 1 else None)
+    st.compact(headroom=3)
+    lay = st.attention_layout()
+    rows_k = pool.k if in_pool else st.audio_k
+    assert lay.caps.tolist() == [[4, 11 + 3, 18]] * L and lay.max_audio_per_head == 18
+    assert lay.dense_rows_max == pre + post + 6 and lay.audio_len.tolist() == [[4, 11, 18]] * L
+    assert int(lay.dense_len) == pre + post and (lay.block_table is not None) == in_pool
+    regions = sorted((int(lay.audio_off[li, h]), int(lay.caps[li, h])) for li in range(L) for h in range(H))
+    assert all(a + c <= b for (a, c), (b, _) in zip(regions, regions[1:]))  # the heads' regions do not overlap
+    dense = [torch.cat([k[:, :pre], k[:, pre + N:]], dim=1) for k in ks]
+    for li in range(L):
+        for h in range(H):
+            p = keep[li, h]
+            slot = st.slot_of[li * H + h, p].long()
+            assert bool((slot >= 0).all() and (slot < lay.caps[li, h]).all())
+            torch.testing.assert_close(rows_k[int(lay.audio_off[li, h]) + slot], ks[li][h, pre + p], rtol=0, atol=0)
+            if in_pool:
+                t = torch.arange(pre + post)
+                row = lay.block_table[li, h, t // pool.block].long() + t % pool.block
+                torch.testing.assert_close(pool.k[row], dense[li][h], rtol=0, atol=0)
+    if in_pool:  # a page the store is given later shows in the same table
+        assert st.ensure_dense(pre + post + 4)
+        assert bool((lay.block_table[:, :, (pre + post + 3) // pool.block] > 0).all())
+
+
 def test_pool_alloc_blocks():
     pool = KVPool(640, 8, torch.float32, "cpu", block=64)  # 10 blocks
     a = pool.alloc(130)  # blocks 0-2

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import StepAccounting, StepRecord
+from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord
 from wnw_exp.kv.pool import KVPool, PoolFull
 
 
@@ -55,7 +56,24 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class PackedAudioKVStore(StepAccounting):
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What a decode step's attention reads of a packed store (`PackedAudioKVStore.attention_layout`), per (layer,
+    KV head). The host arrays are the layout when asked (it changes only in `compact`: ask after it); the tensors
+    are the store's own, updated in place by appends, new dense pages and moves (a graph captured over them
+    follows them)."""
+
+    audio_off: np.ndarray  # (L, H_kv) int64: first row of each head's audio slots (a pool row in a pool, else a row
+    # of the store's audio_k / audio_v)
+    caps: np.ndarray  # (L, H_kv) int64: the audio slots each head owns
+    max_audio_per_head: int  # caps.max(): the longest audio scan of any head
+    dense_rows_max: int  # the dense tokens the store can hold (the prompt's text and dense_capacity more)
+    audio_len: torch.Tensor  # (L, H_kv) int32: the slots each head's attention scans (one past its highest occupied)
+    dense_len: torch.Tensor  # (1,) long: the dense tokens held before the step's token
+    block_table: torch.Tensor | None  # (L, H_kv, pages) int32, in a pool: each dense page's first pool row
+
+
+class PackedAudioKVStore(StepAccounting, KVStore):
     queues_moves = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
@@ -134,6 +152,16 @@ class PackedAudioKVStore(StepAccounting):
         self._caps = torch.as_tensor(self.caps, dtype=torch.int32, device=self.device)
         self._max_cap = int(self.caps.max()) if len(self.caps) else 0
         self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
+
+    def attention_layout(self) -> AttentionLayout:
+        """The attention metadata of every (layer, KV head): where its audio slots start and how many it owns, the
+        longest scan, the dense capacity, and the device lengths and (in a pool) the dense page table."""
+        L, H = self.n_layers, self.n_kv_heads
+        row0 = self.extent.start if self.extent is not None else 0
+        table = self.dense_table.view(L, H, -1) if self.dense_table is not None else None
+        return AttentionLayout(audio_off=(row0 + self.base[:-1]).reshape(L, H), caps=self.caps.reshape(L, H).copy(),
+                               max_audio_per_head=self._max_cap, dense_rows_max=self.dense_rows_max,
+                               audio_len=self.audio_len, dense_len=self.dense_len, block_table=table)
 
     # --- writing ------------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
@@ -298,7 +326,6 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_k, self.audio_v = k, v  # the full prefill buffers are freed here
         torch.index_select(self.audio_pos, 0, keep, out=pos)
         self.audio_pos = pos
-        self.audio_row0 = ext.start  # the pool row of audio slot 0
         self.caps = new_caps
         self._set_layout()
         # the dense part: a page table (L * H, pages the store can reach), its prompt rows copied into their pages

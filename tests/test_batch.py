@@ -238,6 +238,54 @@ def test_expected_new_tokens_knob():
         expected_new_tokens(req, 1.5)
 
 
+@pytest.mark.parametrize("in_pool", [True, False])
+def test_attention_layout_addresses_every_key_of_the_store(in_pool):
+    """`attention_layout()` is all a step needs to find a placed store's keys: each resident audio position p of
+    (layer, head) at row audio_off + its slot, inside the head's caps; each dense token t (in a pool) at
+    block_table[layer, head, t // page] + t % page. Checked against the keys written at prefill."""
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.kv.reference import AudioKVStore
+
+    assert AudioKVStore(1, 1, 4, 3, torch.device("cpu"), torch.float32, 2).pool is None  # every store answers
+    torch.manual_seed(0)
+    L, H, D, N, pre, post = 2, 3, 8, 40, 5, 3
+    pool = KVPool(4096, D, torch.float32, "cpu", block=4) if in_pool else None
+    if in_pool:
+        pool.alloc(12)  # the store's rows do not start at pool row 0
+    st = PackedAudioKVStore(L, H, D, N, torch.device("cpu"), torch.float32, dense_capacity=6, kernels="torch",
+                            pool=pool, host_mirror=True)
+    assert st.pool is pool and st.kernels == "torch"
+    ks = [torch.randn(H, pre + N + post, D) for _ in range(L)]
+    keep = {}
+    for li in range(L):
+        st.write_prefill(li, ks[li], torch.randn_like(ks[li]), (pre, pre + N))
+        for h in range(H):
+            keep[li, h] = torch.randperm(N)[: 4 + 7 * h].sort().values
+            st.set_tiers(li, h, keep[li, h], torch.arange(N) if h == 1 else None)
+    st.compact(headroom=3)
+    lay = st.attention_layout()
+    rows_k = pool.k if in_pool else st.audio_k
+    assert lay.caps.tolist() == [[4, 11 + 3, 18]] * L and lay.max_audio_per_head == 18
+    assert lay.dense_rows_max == pre + post + 6 and lay.audio_len.tolist() == [[4, 11, 18]] * L
+    assert int(lay.dense_len) == pre + post and (lay.block_table is not None) == in_pool
+    regions = sorted((int(lay.audio_off[li, h]), int(lay.caps[li, h])) for li in range(L) for h in range(H))
+    assert all(a + c <= b for (a, c), (b, _) in zip(regions, regions[1:]))  # the heads' regions do not overlap
+    dense = [torch.cat([k[:, :pre], k[:, pre + N:]], dim=1) for k in ks]
+    for li in range(L):
+        for h in range(H):
+            p = keep[li, h]
+            slot = st.slot_of[li * H + h, p].long()
+            assert bool((slot >= 0).all() and (slot < lay.caps[li, h]).all())
+            torch.testing.assert_close(rows_k[int(lay.audio_off[li, h]) + slot], ks[li][h, pre + p], rtol=0, atol=0)
+            if in_pool:
+                t = torch.arange(pre + post)
+                row = lay.block_table[li, h, t // pool.block].long() + t % pool.block
+                torch.testing.assert_close(pool.k[row], dense[li][h], rtol=0, atol=0)
+    if in_pool:  # a page the store is given later shows in the same table
+        assert st.ensure_dense(pre + post + 4)
+        assert bool((lay.block_table[:, :, (pre + post + 3) // pool.block] > 0).all())
+
+
 def test_pool_alloc_blocks():
     pool = KVPool(640, 8, torch.float32, "cpu", block=64)  # 10 blocks
     a = pool.alloc(130)  # blocks 0-2
@@ -314,6 +362,86 @@ def test_only_a_method_with_a_cpu_tier_keeps_a_host_mirror(method, host):
         n = st.store.n_audio
         with pytest.raises(ValueError, match="no host tier.*cpu_tier = True"):
             st.store.set_tiers_block(0, torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool))
+
+
+def test_the_host_arena_hands_out_disjoint_views_takes_them_back_and_falls_back_when_full():
+    """`KVPool(host_bytes=)`: host mirrors are views of one arena made with the pool, by size (first fit over
+    `HOST_UNIT`-byte units); given back they go back to it; where it has no room a buffer is pinned on its own (and
+    kept for its shape). Against a unit-by-unit occupancy map, over random asks and gives: a buffer comes from the
+    arena exactly when a free run long enough exists, at the lowest such run, and no two live buffers overlap."""
+    import random
+
+    from wnw_exp.kv.pool import HOST_UNIT
+
+    with pytest.raises(ValueError, match="host_bytes must be >= 0"):
+        KVPool(640, 8, torch.float32, "cpu", host_bytes=-1)
+    assert KVPool.of_bytes(1e6, 8, torch.float32, "cpu", host_bytes=3 * HOST_UNIT).stats()["host_arena_bytes"] \
+        == 3 * HOST_UNIT
+    pool = KVPool(640, 8, torch.float32, "cpu", host_bytes=4 * HOST_UNIT + 100)  # 4 units (whole units only)
+    arena = pool.host_arena
+    a = pool.host_buffer((3, 1000, 8), torch.float32)  # 96,000 bytes: units 0-1
+    b = pool.host_buffer((10,), torch.bfloat16)  # unit 2
+    c = pool.host_buffer((2, 70_000), torch.uint8)  # 3 units: no room, pinned on its own
+    assert a.shape == (3, 1000, 8) and a.dtype == torch.float32 and b.dtype == torch.bfloat16
+    assert a.data_ptr() == arena.data_ptr() and b.data_ptr() == arena.data_ptr() + 2 * HOST_UNIT
+    assert c.untyped_storage().data_ptr() != arena.untyped_storage().data_ptr()
+    a.fill_(1.0), b.fill_(2.0)
+    assert bool((a == 1.0).all()) and bool((b == 2.0).all())
+    st = pool.stats()
+    assert (st["host_arena_bytes"], st["host_arena_used_bytes"], st["host_pinned_outside"]) == (4 * HOST_UNIT,
+                                                                                                 3 * HOST_UNIT, 1)
+    pool.give_host(a)
+    assert pool.host_buffer((5, 4000), torch.float32).data_ptr() == arena.data_ptr()  # a's units, another shape
+    pool.give_host(b)
+    with pytest.raises(RuntimeError, match="given back twice"):
+        pool.give_host(b)
+    pool.give_host(c)
+    assert pool.host_buffer((2, 70_000), torch.uint8) is c  # no room in the arena: c, kept for its shape
+    assert pool.stats()["host_pinned_outside"] == 1
+
+    rng = random.Random(0)
+    n_units = 24
+    pool = KVPool(640, 8, torch.float32, "cpu", host_bytes=n_units * HOST_UNIT)
+    base = pool.host_arena.data_ptr()
+    occupied = [False] * n_units  # the independent map: which units are taken
+    live = []  # (buffer, first unit, units) of the arena's live buffers
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            buf, u, n = live.pop(rng.randrange(len(live)))
+            pool.give_host(buf)
+            occupied[u:u + n] = [False] * n
+            continue
+        nbytes = rng.randrange(1, 6 * HOST_UNIT) // 4 * 4 + 4
+        need = -(-nbytes // HOST_UNIT)
+        runs = [u for u in range(n_units - need + 1) if not any(occupied[u:u + need])]
+        buf = pool.host_buffer((nbytes // 4,), torch.float32)
+        inside = buf.untyped_storage().data_ptr() == pool.host_arena.untyped_storage().data_ptr()
+        assert inside == bool(runs)
+        if inside:
+            u = (buf.data_ptr() - base) // HOST_UNIT
+            assert (buf.data_ptr() - base) % HOST_UNIT == 0 and u == runs[0]  # first fit
+            occupied[u:u + need] = [True] * need
+            live.append((buf, u, need))
+        else:
+            pool.give_host(buf)
+        spans = sorted((x.data_ptr(), x.data_ptr() + x.numel() * 4) for x, _, _ in live)
+        assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))  # no two live buffers overlap
+        assert pool.stats()["host_arena_used_bytes"] == sum(occupied) * HOST_UNIT
+
+
+def test_wnw_streams_take_their_host_mirrors_from_the_arena_and_decode_as_alone():
+    """Two WnW streams at once, their host mirrors views of the pool's host arena (none pinned on its own), decode
+    exactly as each alone (the mirrors do not overlap), and give the arena back when they leave."""
+    bb = _backbone("voxtral")
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device, host_bytes=1 << 26)
+    path = dict(store="packed", fused=True, kernels="torch")
+    solo, got, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=(5, 6), seconds=(9.0, 12.0))
+    assert max(stats.batch_sizes) == 2
+    for i in range(2):
+        assert got[i].tokens == solo[i].tokens and got[i].trace == solo[i].trace
+        assert got[i].store_summary["mb_per_step"] > 0  # (it recalled from its mirror)
+    st = pool.stats()
+    assert st["host_pinned_outside"] == 0 and st["host_arena_used_bytes"] == 0 < st["host_arena_peak_bytes"]
 
 
 def test_the_pool_recycles_host_mirrors_and_results_stay_bs1s():

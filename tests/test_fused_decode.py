@@ -243,13 +243,15 @@ def test_triton_queueing_inside_a_capture_marks_what_the_torch_queueing_marks(mo
 L_F, H_F, D_F, PRE_F = 2, 3, 16, 2  # the flush tests' stores: layers, KV heads, head dim, text rows before the audio
 
 
-def _flush_store(kernels: str, n_audio: int, seed: int, dev, mirrored: bool = True, dtype=torch.float32):
+def _flush_store(kernels: str, n_audio: int, seed: int, dev, mirrored: bool = True, dtype=torch.float32,
+                 host_mirror=True):
     """A packed store whose heads each hold part of the audio on the device and part on the host only (one head,
-    and with `mirrored=False` every head, without a host tier: it never moves), the last head with too little
+    row 2, and with `mirrored=False` every head, without a host tier: it never moves), the last head with too little
     recall room (its recalls overflow)."""
     from wnw_exp.kv.packed import PackedAudioKVStore
 
-    st = PackedAudioKVStore(L_F, H_F, D_F, n_audio, dev, dtype, dense_capacity=8, kernels=kernels)
+    st = PackedAudioKVStore(L_F, H_F, D_F, n_audio, dev, dtype, dense_capacity=8, kernels=kernels,
+                            host_mirror=host_mirror)
     gen = torch.Generator().manual_seed(seed)
     a, b, c = n_audio // 5, n_audio // 7, n_audio * 6 // 7
     for li in range(L_F):
@@ -323,6 +325,34 @@ def test_triton_flush_moves_what_the_torch_flush_moves(monkeypatch):
     got, src = torch.zeros(1, device=dev), torch.tensor([3.5, 1.0])
     read_host(src.pin_memory() if HAS_CUDA else src, got)
     assert float(got[0]) == 3.5
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_mirror_of_the_offloading_rows_only_moves_what_the_full_mirror_moves(monkeypatch, kernels):
+    """`host_mirror=rows`: only the rows that may offload have a host copy (a smaller mirror, each row at its own
+    mirror row: `host_row`); recalls read the right rows, so the store moves exactly what the store with a mirror of
+    every row moves (the PyTorch flush, the specification), with the PyTorch flush and with the Triton flush (its
+    per-row mirror rows); a row outside them cannot be given a host tier."""
+    dev = _triton_env() if kernels == "triton" else torch.device("cpu")
+    _small_tiles(monkeypatch)
+    rows = [r for r in range(L_F * H_F) if r != 2]  # every row but the one that never offloads
+    full = _flush_store("torch", 70, 7, dev)
+    part = _flush_store(kernels, 70, 7, dev, host_mirror=np.array(rows[::-1]))
+    assert full.host_k.shape[0] == L_F * H_F and part.host_k.shape[0] == len(rows)
+    assert part.host_row.tolist() == [0, 1, -1, 2, 3, 4]
+    torch.testing.assert_close(part.host_v[2:].cpu(), full.host_v[3:].cpu(), rtol=0, atol=0)
+    for step in range(6):
+        for st in (full, part):
+            _queue_random(st, step, dev)
+            st.flush(step % L_F if step % 3 else None)
+            st.flush()
+        _same_store(full, part, step)
+    assert part.recalled_rows > 0
+    resident = part.slot_of[2].ge(0).nonzero().flatten()
+    with pytest.raises(ValueError, match="no host mirror"):
+        part.set_tiers(0, 2, resident[:1], resident[1:3])
+    with pytest.raises(ValueError, match=r"host_mirror: rows must be in \[0, 6\)"):
+        _flush_store("torch", 20, 1, dev, host_mirror=[0, 6])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

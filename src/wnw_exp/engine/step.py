@@ -92,7 +92,7 @@ class FusedStep:
 
     def __init__(self, backbone, store, policy, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "triton"):
         self.store, self.policy = store, policy
-        if getattr(store, "pool", None) is not None:
+        if store.pool is not None:
             raise ValueError("FusedStep runs on a store with its own dense buffers; a pooled store's is BatchedFusedStep")
         self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
         self.layers = backbone.fused_layers()
@@ -190,17 +190,12 @@ class BatchedFusedStep:
         # Each (layer, stream, KV head)'s first audio slot (fixed once placed) and its dense page table: the pool
         # row of each page of its dense tokens (`table`, gathered from the stores' own tables at every step, so a
         # page a store is given between two steps, or two graph replays, is read by the next one).
-        audio_off = np.zeros((L, B, H), np.int64)
-        self.max_keys = [0] * L
+        self.layouts = [s.attention_layout() for s in stores]
+        self.max_keys = [max(lay.dense_rows_max + int(lay.caps[li].max()) for lay in self.layouts) for li in range(L)]
         self.page = self.pool.block
-        P = max(s.dense_table.shape[1] for s in stores)
+        P = max(lay.block_table.shape[2] for lay in self.layouts)
         self.table = torch.zeros(L, B, H, P, device=dev, dtype=torch.int32)
-        for b, s in enumerate(stores):
-            for li in range(L):
-                rows = np.arange(li * H, (li + 1) * H)
-                audio_off[li, b] = s.audio_row0 + s.base[rows]
-                self.max_keys[li] = max(self.max_keys[li], s.dense_rows_max + int(s.caps[rows].max()))
-        self.audio_off = torch.as_tensor(audio_off, device=dev)
+        self.audio_off = torch.as_tensor(np.stack([lay.audio_off for lay in self.layouts], axis=1), device=dev)
         self.dense_len = torch.zeros(B, device=dev, dtype=torch.long)
         self.audio_len = torch.zeros(L, B, H, device=dev, dtype=torch.int32)
         self.observe: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]
@@ -225,11 +220,10 @@ class BatchedFusedStep:
         self.logits: torch.Tensor | None = None
 
     def body(self) -> None:
-        stores = [st.store for st in self.streams]
-        torch.cat([s.dense_len for s in stores], out=self.dense_len)  # where each stream's new key goes
-        L, H = len(self.layers), self.n_kv
-        for b, s in enumerate(stores):  # the page tables as they are now (B small copies, graph-safe)
-            self.table[:, b, :, : s.dense_table.shape[1]].copy_(s.dense_table.view(L, H, -1))
+        layouts = self.layouts
+        torch.cat([lay.dense_len for lay in layouts], out=self.dense_len)  # where each stream's new key goes
+        for b, lay in enumerate(layouts):  # the page tables as they are now (B small copies, graph-safe)
+            self.table[:, b, :, : lay.block_table.shape[2]].copy_(lay.block_table)
         torch.index_select(self.embed, 0, self.tok.view(-1), out=self.hidden)
         dense_next = self.dense_len + 1
         pool, delta = self.pool, None
@@ -241,7 +235,7 @@ class BatchedFusedStep:
             for b, st in enumerate(self.streams):
                 st.policy.before_attention(li, self.q[b])
             alen = self.audio_len[li]
-            torch.stack([s.audio_len[li] for s in stores], out=alen)  # after any move a method made for this layer
+            torch.stack([lay.audio_len[li] for lay in layouts], out=alen)  # after any move a method made for this layer
             out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, self.table[li], dense_next,
                                       self.audio_off[li], alen, w.scale, max_keys=self.max_keys[li],
                                       page_rows=self.page, scratch=self._scratch[li])
@@ -252,7 +246,7 @@ class BatchedFusedStep:
                 if acc is not None and self.observer_sums[li] is not None:
                     continue  # summed above
                 self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
-                           probs, stores[b]._max_cap)
+                           probs, layouts[b].max_audio_per_head)
                 if acc is not None:
                     acc += probs.sum(dim=0)
                 else:

@@ -30,7 +30,8 @@ class StepRecord:
 
 
 class KVStore(Protocol):
-    """What the engine and the methods call. Layers are written in order at prefill, then decoded step by step."""
+    """What the engine and the methods call. Layers are written in order at prefill, then decoded step by step.
+    The stores subclass it, so that every store answers `pool` and `kernels`."""
 
     n_layers: int
     n_kv_heads: int
@@ -39,6 +40,8 @@ class KVStore(Protocol):
     device: torch.device
     layer_audio: list[int]  # audio tokens of each layer (fewer than n_audio after token merging)
     queues_moves: bool  # False: recall/release act at once, in call order; True: they are applied by `flush`
+    pool = None  # the `kv.pool.KVPool` its device rows live in, shared with a batch's other streams (None: its own)
+    kernels = "torch"  # its attention and moves: "torch" (PyTorch, the specification) or "triton"
 
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
         """k, v (H_kv, T, D) of the prompt after RoPE; every audio position starts on the device."""

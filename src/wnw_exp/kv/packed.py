@@ -14,8 +14,9 @@ Layout (row r = layer * H_kv + head):
   inside a head is free (attention is order-free).
 - bookkeeping: `slot_of` (L*H, n_audio) int32, each resident position's slot within its row (-1: not resident);
   `on_host` (L*H, n_audio) bool, the positions with a host copy (fixed after `set_tiers`); `n_resident` (L*H,).
-- host tier: a mirror (L*H, n_audio, D) of every audio K/V written at prefill, pinned on CUDA (ArkVale-style);
-  which positions may be recalled is `on_host`, exactly as in the reference.
+- host tier: a mirror (n_mirrored, n_audio, D) of the audio K/V written at prefill, pinned on CUDA (ArkVale-style),
+  of every row or only of the rows that may offload (`host_mirror`; `host_row` maps a row to its mirror row, -1
+  without one); which positions may be recalled is `on_host`, exactly as in the reference.
 `compact(headroom)` after prefill shrinks every head's region to its resident count plus `headroom` free slots for
 heads that can recall, so the device memory held really drops (the old buffers are freed, not masked) even when
 some heads (WnW's anchors) keep all their audio.
@@ -39,11 +40,12 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import StepAccounting, StepRecord
+from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord
 from wnw_exp.kv.pool import KVPool, PoolFull
 
 
@@ -55,12 +57,29 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class PackedAudioKVStore(StepAccounting):
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What a decode step's attention reads of a packed store (`PackedAudioKVStore.attention_layout`), per (layer,
+    KV head). The host arrays are the layout when asked (it changes only in `compact`: ask after it); the tensors
+    are the store's own, updated in place by appends, new dense pages and moves (a graph captured over them
+    follows them)."""
+
+    audio_off: np.ndarray  # (L, H_kv) int64: first row of each head's audio slots (a pool row in a pool, else a row
+    # of the store's audio_k / audio_v)
+    caps: np.ndarray  # (L, H_kv) int64: the audio slots each head owns
+    max_audio_per_head: int  # caps.max(): the longest audio scan of any head
+    dense_rows_max: int  # the dense tokens the store can hold (the prompt's text and dense_capacity more)
+    audio_len: torch.Tensor  # (L, H_kv) int32: the slots each head's attention scans (one past its highest occupied)
+    dense_len: torch.Tensor  # (1,) long: the dense tokens held before the step's token
+    block_table: torch.Tensor | None  # (L, H_kv, pages) int32, in a pool: each dense page's first pool row
+
+
+class PackedAudioKVStore(StepAccounting, KVStore):
     queues_moves = True
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_audio: int, device: torch.device,
                  dtype: torch.dtype, dense_capacity: int, kernels: str = "auto", pool: KVPool | None = None,
-                 expected_new_tokens: int | None = None, host_mirror: bool = True):
+                 expected_new_tokens: int | None = None, host_mirror=True):
         """`kernels`: "triton" (attention: kv/triton_attention.py; flush and zero-copy recall: kv/triton_moves.py;
         on CUDA, or in Triton's interpreter on a CPU), "torch" (`attention_torch` and the PyTorch flush, their
         specification; recalls staged through the host) or "auto" (triton on CUDA when installed, else torch).
@@ -69,8 +88,10 @@ class PackedAudioKVStore(StepAccounting):
         tokens' dense rows come in pages as they are needed (`ensure_dense`), and `release_memory` gives it all back.
         `expected_new_tokens` (pool only): the dense growth admission counts on (`outstanding_blocks`; None: every
         token of `dense_capacity`). Without a pool the store allocates its own (its dense part for `dense_capacity`
-        tokens at once). `host_mirror`: keep a (pinned) host copy of the prompt's audio KV, the CPU tier recalls read;
-        False for methods that never offload (`Policy.cpu_tier`): no host memory, no copy at prefill."""
+        tokens at once). `host_mirror`: keep a (pinned) host copy of the prompt's audio KV, the CPU tier recalls read:
+        True for every row, False for methods that never offload (`Policy.cpu_tier`: no host memory, no copy at
+        prefill), or the rows (layer * H_kv + head) that may offload (WnW's tidal heads), the only ones mirrored and
+        the only ones `set_tiers` may give a host tier."""
         self.n_layers, self.n_kv_heads, self.head_dim, self.n_audio = n_layers, n_kv_heads, head_dim, n_audio
         self.device, self.dtype, self.dense_capacity = torch.device(device), dtype, dense_capacity
         if kernels == "auto":
@@ -101,11 +122,22 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_pos = torch.arange(N, device=dev, dtype=torch.int32).repeat(R)
         self.audio_len = torch.full((L, H), N, device=dev, dtype=torch.int32)
         pin = self.device.type == "cuda"
-        # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B): only
-        # for a method with a CPU tier; in a pool, recycled from the streams that left (`KVPool.host_buffer`)
+        if isinstance(host_mirror, (bool, np.bool_)):
+            mirrored = np.arange(R if host_mirror else 0)
+        else:
+            mirrored = np.unique(np.asarray(host_mirror, np.int64).ravel())
+            if len(mirrored) and (mirrored[0] < 0 or mirrored[-1] >= R):
+                raise ValueError(f"host_mirror: rows must be in [0, {R}) (layer * n_kv_heads + head)")
+        self.host_row = np.full(R, -1, np.int64)  # each row's mirror row (-1: none)
+        self.host_row[mirrored] = np.arange(len(mirrored))
+        self._host_row = torch.as_tensor(self.host_row, device=dev)
+        # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B), or
+        # only the mirrored rows': only for a method with a CPU tier; in a pool, out of its host arena
+        # (`KVPool.host_buffer`)
         host = pool.host_buffer if pool is not None else lambda shape, dt: torch.empty(shape, dtype=dt, pin_memory=pin)
-        self.host_k = host((R, N, D), dtype) if host_mirror else None
-        self.host_v = host((R, N, D), dtype) if host_mirror else None
+        M = len(mirrored)
+        self.host_k = host((M, N, D), dtype) if M else None
+        self.host_v = host((M, N, D), dtype) if M else None
         self.slot_of = torch.arange(N, device=dev, dtype=torch.int32).repeat(R, 1)
         self.on_host = torch.zeros(R, N, device=dev, dtype=torch.bool)
         self.n_resident = torch.full((R,), N, device=dev, dtype=torch.int64)
@@ -135,6 +167,16 @@ class PackedAudioKVStore(StepAccounting):
         self._max_cap = int(self.caps.max()) if len(self.caps) else 0
         self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
 
+    def attention_layout(self) -> AttentionLayout:
+        """The attention metadata of every (layer, KV head): where its audio slots start and how many it owns, the
+        longest scan, the dense capacity, and the device lengths and (in a pool) the dense page table."""
+        L, H = self.n_layers, self.n_kv_heads
+        row0 = self.extent.start if self.extent is not None else 0
+        table = self.dense_table.view(L, H, -1) if self.dense_table is not None else None
+        return AttentionLayout(audio_off=(row0 + self.base[:-1]).reshape(L, H), caps=self.caps.reshape(L, H).copy(),
+                               max_audio_per_head=self._max_cap, dense_rows_max=self.dense_rows_max,
+                               audio_len=self.audio_len, dense_len=self.dense_len, block_table=table)
+
     # --- writing ------------------------------------------------------------------------------
     def write_prefill(self, layer: int, k: torch.Tensor, v: torch.Tensor, audio_span: tuple[int, int]) -> None:
         s, e = audio_span
@@ -154,9 +196,12 @@ class PackedAudioKVStore(StepAccounting):
         base = int(self.base[layer * H])  # before compact() every row owns n_audio slots
         self.audio_k[base: base + H * N].view(H, N, D).copy_(k[:, s:e])
         self.audio_v[base: base + H * N].view(H, N, D).copy_(v[:, s:e])
-        if self.host_k is not None:
-            self.host_k[layer * H:(layer + 1) * H].copy_(k[:, s:e], non_blocking=True)
-            self.host_v[layer * H:(layer + 1) * H].copy_(v[:, s:e], non_blocking=True)
+        heads = np.flatnonzero(self.host_row[layer * H:(layer + 1) * H] >= 0)  # the layer's mirrored heads
+        if len(heads):  # their mirror rows are consecutive (rows in order)
+            m0 = int(self.host_row[layer * H + heads[0]])
+            pick = slice(None) if len(heads) == H else torch.as_tensor(heads, device=k.device)
+            self.host_k[m0:m0 + len(heads)].copy_(k[pick, s:e], non_blocking=True)
+            self.host_v[m0:m0 + len(heads)].copy_(v[pick, s:e], non_blocking=True)
 
     def set_tiers(self, layer: int, head: int, gpu: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
         """Keep `gpu` positions resident, make `cpu` recallable, drop the rest (as the reference): `set_tiers_block`
@@ -189,11 +234,15 @@ class PackedAudioKVStore(StepAccounting):
         host = torch.zeros_like(keep) if cpu is None else cpu.to(dev, torch.bool) & sel[:, None]
         old_slot = self.slot_of[rows]
         resident = old_slot >= 0
-        bad_keep, bad_host = torch.stack([(keep & ~resident).any(), (host & ~resident).any()]).tolist()  # one read
+        unmirrored = (self._host_row[rows] < 0)[:, None]
+        bad_keep, bad_host, bad_row = torch.stack([(keep & ~resident).any(), (host & ~resident).any(),
+                                                   (host & unmirrored).any()]).tolist()  # one read
         if bad_keep:
             raise ValueError("set_tiers: a position to keep is not GPU-resident")
         if bad_host:
             raise ValueError("set_tiers: a position to offload is not GPU-resident")
+        if bad_row:
+            raise ValueError("set_tiers: a row to offload has no host mirror (not among the store's host_mirror rows)")
         n = keep.sum(dim=1)  # (m,) the new resident counts
         new_slot = torch.where(keep, keep.cumsum(dim=1) - 1, -1).int()
         by_slot = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # row i's j-th kept position, j < n_i
@@ -298,7 +347,6 @@ class PackedAudioKVStore(StepAccounting):
         self.audio_k, self.audio_v = k, v  # the full prefill buffers are freed here
         torch.index_select(self.audio_pos, 0, keep, out=pos)
         self.audio_pos = pos
-        self.audio_row0 = ext.start  # the pool row of audio slot 0
         self.caps = new_caps
         self._set_layout()
         # the dense part: a page table (L * H, pages the store can reach), its prompt rows copied into their pages
@@ -492,7 +540,7 @@ class PackedAudioKVStore(StepAccounting):
         pos_for = torch.empty(n, 2 * N, device=dev, dtype=torch.int32)
         pos_for.scatter_(1, torch.where(rec, rank, N + cols), cols.int())
         got = pos_for.view(-1)[row * 2 * N + free_rank.clamp(min=0, max=N - 1)]
-        self._copy_rows(fill, slots, rows[row] * N + got.long().clamp(min=0))
+        self._copy_rows(fill, slots, self._host_row[rows][row] * N + got.long().clamp(min=0))
         pos = torch.where(fill, got, pos)
         self._recalled += fill.sum()
         # 2. releases: free the slots of the positions queued for release

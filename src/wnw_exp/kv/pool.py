@@ -14,14 +14,19 @@ attention launch over every stream of a batch reads positions as it reads keys: 
 and those positions live here (they are >= 97% of a stream's device bytes at 3,000 audio tokens); each store's
 small bookkeeping tensors (slot tables, masks, positions) are its own allocations.
 
-Host memory: the pinned host mirrors of the streams whose method keeps a CPU tier (`host_buffer`) are kept by the
-pool when a stream leaves and handed to the next stream of the same shape, as a server keeps its swap space: pinning
-hundreds of MB for each request costs more than its prefill (`cudaHostAlloc` maps and locks every page).
+Host memory: the pinned host mirrors of the streams whose method keeps a CPU tier (`host_buffer`) come out of a host
+arena pinned once when the pool is made (`host_bytes`, where a server pays its start-up costs), as a server keeps its
+swap space: pinning hundreds of MB for each request costs more than its prefill (`cudaHostAlloc` maps and locks
+every page). The arena is cut into `HOST_UNIT`-byte units handed out by the same first-fit allocator as the device
+blocks, so mirrors of any size (the audio length varies per request) share it and go back to it when their stream
+leaves. Where the arena has no room a mirror is pinned on its own, and kept when its stream leaves for the next
+stream of the same shape.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,27 +44,106 @@ class PoolFull(RuntimeError):
     """A request's KV does not fit the pool's free blocks."""
 
 
+HOST_UNIT = 1 << 16  # bytes: the host arena's allocation unit (a mirror takes whole units)
+
+
+class FirstFit:
+    """Runs of consecutive units out of `n` (the pool's device blocks, or its host arena's units): first fit over a
+    sorted free list of runs; neighbouring free runs merge when a run is given back. Counts the units in use and
+    their peak."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.runs: list[tuple[int, int]] = [(0, n)] if n else []  # (first unit, length), sorted, never adjacent
+        self.used = self.peak = 0
+
+    def fits(self, need: int) -> bool:
+        return any(m >= need for _, m in self.runs)
+
+    def _took(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def take(self, need: int) -> int | None:
+        """The first unit of a run of `need` consecutive units (the first free run long enough), or None."""
+        for i, (b, n) in enumerate(self.runs):
+            if n >= need:
+                if n == need:
+                    del self.runs[i]
+                else:
+                    self.runs[i] = (b + need, n - need)
+                self._took(need)
+                return b
+        return None
+
+    def take_singles(self, n: int) -> list[int] | None:
+        """`n` units, not necessarily consecutive, lowest first, or None (nothing taken) where fewer are free."""
+        if n > self.n - self.used:
+            return None
+        out: list[int] = []
+        while len(out) < n:
+            b, m = self.runs[0]
+            take = min(m, n - len(out))
+            if take == m:
+                del self.runs[0]
+            else:
+                self.runs[0] = (b + take, m - take)
+            out.extend(range(b, b + take))
+        self._took(n)
+        return out
+
+    def give(self, b: int, n: int) -> None:
+        """Give back the run of `n` units from `b` (taken before)."""
+        self.used -= n
+        i = bisect.bisect_left(self.runs, (b, 0))
+        if i < len(self.runs) and b + n == self.runs[i][0]:  # merge with the next free run
+            n += self.runs.pop(i)[1]
+        if i > 0 and self.runs[i - 1][0] + self.runs[i - 1][1] == b:  # and with the previous one
+            b, n = self.runs[i - 1][0], self.runs[i - 1][1] + n
+            self.runs[i - 1] = (b, n)
+        else:
+            self.runs.insert(i, (b, n))
+
+
 class KVPool:
     def __init__(self, n_rows: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 block: int = 64):
+                 block: int = 64, host_bytes: int = 0):
+        """`n_rows` K/V rows of `head_dim` in blocks of `block` rows on `device`; `host_bytes`: the host arena the
+        streams' host mirrors come from, pinned here where the pool is on CUDA (0: none, every mirror is pinned
+        when its stream is placed)."""
         if n_rows < block or block < 1:
             raise ValueError(f"a KV pool needs at least one block of {block} rows (asked for {n_rows} rows)")
+        if host_bytes < 0:
+            raise ValueError(f"host_bytes must be >= 0 (got {host_bytes})")
         self.block, self.head_dim, self.dtype, self.device = block, head_dim, dtype, torch.device(device)
         self.n_blocks = n_rows // block
         self.k = torch.empty(self.n_blocks * block, head_dim, device=self.device, dtype=dtype)
         self.v = torch.empty_like(self.k)
         self.pos = torch.full((self.n_blocks * block,), -1, device=self.device, dtype=torch.int32)  # audio slots' positions
-        self._free: list[tuple[int, int]] = [(0, self.n_blocks)]  # (first block, length), sorted, never adjacent
+        self._blocks = FirstFit(self.n_blocks)
         self._live: dict[int, Extent] = {}  # extents handed out, by first block
-        self.used_blocks = self.peak_blocks = 0
         self.n_refused = 0
-        self._host: dict[tuple, list[torch.Tensor]] = {}  # idle pinned host buffers, by (shape, dtype)
+        pin = self.device.type == "cuda"
+        self._arena = FirstFit(int(host_bytes) // HOST_UNIT)
+        self.host_arena = torch.empty(self._arena.n * HOST_UNIT, dtype=torch.uint8, pin_memory=pin and self._arena.n > 0)
+        self._arena_live: dict[int, tuple[int, int]] = {}  # buffers handed out of the arena: address -> (unit, units)
+        self._host: dict[tuple, list[torch.Tensor]] = {}  # idle host buffers pinned outside the arena, by (shape, dtype)
+        self.n_host_pinned = 0  # host buffers pinned outside the arena (when it had no room)
 
     @classmethod
-    def of_bytes(cls, budget_bytes: float, head_dim: int, dtype: torch.dtype, device, block: int = 64) -> "KVPool":
-        """The pool that `budget_bytes` of K and V rows buy."""
+    def of_bytes(cls, budget_bytes: float, head_dim: int, dtype: torch.dtype, device, block: int = 64,
+                 host_bytes: int = 0) -> "KVPool":
+        """The pool that `budget_bytes` of K and V rows buy (and a host arena of `host_bytes`)."""
         row = 2 * head_dim * torch.finfo(dtype).bits // 8
-        return cls(int(budget_bytes // row), head_dim, dtype, device, block)
+        return cls(int(budget_bytes // row), head_dim, dtype, device, block, host_bytes)
+
+    @property
+    def used_blocks(self) -> int:
+        return self._blocks.used
+
+    @property
+    def peak_blocks(self) -> int:
+        return self._blocks.peak
 
     @property
     def row_bytes(self) -> int:
@@ -77,8 +161,7 @@ class KVPool:
         return -(-int(n_rows) // self.block)
 
     def can_alloc(self, n_rows: int) -> bool:
-        need = self.blocks_for(n_rows)
-        return any(n >= need for _, n in self._free)
+        return self._blocks.fits(self.blocks_for(n_rows))
 
     @property
     def free_blocks(self) -> int:
@@ -87,54 +170,31 @@ class KVPool:
     def alloc_blocks(self, n: int) -> list[Extent] | None:
         """`n` single blocks (dense pages: not contiguous with each other), lowest first, or None (nothing taken)
         where fewer than `n` are free."""
-        if n > self.free_blocks:
+        got = self._blocks.take_singles(n)
+        if got is None:
             self.n_refused += 1
             return None
-        out: list[Extent] = []
-        while len(out) < n:
-            b, m = self._free[0]
-            take = min(m, n - len(out))
-            if take == m:
-                del self._free[0]
-            else:
-                self._free[0] = (b + take, m - take)
-            for j in range(b, b + take):
-                ext = self._live[j] = Extent(j, 1, j * self.block, self.block)
-                out.append(ext)
-        self.used_blocks += n
-        self.peak_blocks = max(self.peak_blocks, self.used_blocks)
+        out = []
+        for j in got:
+            ext = self._live[j] = Extent(j, 1, j * self.block, self.block)
+            out.append(ext)
         return out
 
     def alloc(self, n_rows: int) -> Extent | None:
         """One contiguous extent of at least `n_rows` rows (first fit), or None where none is free."""
         need = max(self.blocks_for(n_rows), 1)
-        for i, (b, n) in enumerate(self._free):
-            if n >= need:
-                if n == need:
-                    del self._free[i]
-                else:
-                    self._free[i] = (b + need, n - need)
-                self.used_blocks += need
-                self.peak_blocks = max(self.peak_blocks, self.used_blocks)
-                ext = self._live[b] = Extent(b, need, b * self.block, int(n_rows))
-                return ext
-        self.n_refused += 1
-        return None
+        b = self._blocks.take(need)
+        if b is None:
+            self.n_refused += 1
+            return None
+        ext = self._live[b] = Extent(b, need, b * self.block, int(n_rows))
+        return ext
 
     def free(self, ext: Extent) -> None:
         if self._live.get(ext.block) != ext:
             raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
         del self._live[ext.block]
-        i = bisect.bisect_left(self._free, (ext.block, 0))
-        b, n = ext.block, ext.n_blocks
-        if i < len(self._free) and b + n == self._free[i][0]:  # merge with the next free run
-            n += self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == b:  # and with the previous one
-            b, n = self._free[i - 1][0], self._free[i - 1][1] + n
-            self._free[i - 1] = (b, n)
-        else:
-            self._free.insert(i, (b, n))
-        self.used_blocks -= ext.n_blocks
+        self._blocks.give(ext.block, ext.n_blocks)
 
     def views(self, ext: Extent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The extent's K rows, V rows and slot positions (views into the pool)."""
@@ -142,18 +202,36 @@ class KVPool:
         return self.k[s], self.v[s], self.pos[s]
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer of `shape` (pinned where the pool is on CUDA, contents undefined): one a leaving stream gave
-        back (`give_host`), else a new one."""
+        """A host buffer of `shape` (pinned where the pool is on CUDA, contents undefined): a view of the host arena
+        where it has room, else one pinned outside it that a leaving stream gave back with this shape and dtype, else
+        a new one pinned now."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        need = max(-(-nbytes // HOST_UNIT), 1)
+        u = self._arena.take(need)
+        if u is not None:
+            buf = self.host_arena[u * HOST_UNIT: u * HOST_UNIT + nbytes].view(dtype).view(shape)
+            self._arena_live[buf.data_ptr()] = (u, need)
+            return buf
         idle = self._host.get((tuple(shape), dtype))
         if idle:
             return idle.pop()
+        self.n_host_pinned += 1
         return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def give_host(self, buf: torch.Tensor) -> None:
-        """Keep `buf` (from `host_buffer`; nothing may read or write it any more) for the next stream of its shape."""
+        """Take back `buf` (from `host_buffer`; nothing may read or write it any more): into the arena where it came
+        from there, else kept for the next stream of its shape."""
+        if self._arena.n and buf.untyped_storage().data_ptr() == self.host_arena.untyped_storage().data_ptr():
+            got = self._arena_live.pop(buf.data_ptr(), None)
+            if got is None:
+                raise RuntimeError("KVPool.give_host: the buffer is not one handed out (given back twice?)")
+            self._arena.give(*got)
+            return
         self._host.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
 
     def stats(self) -> dict:
         rb = self.block * self.row_bytes
         return dict(capacity_bytes=self.capacity_bytes, used_bytes=self.used_blocks * rb,
-                    peak_bytes=self.peak_blocks * rb, block_rows=self.block, n_refused=self.n_refused)
+                    peak_bytes=self.peak_blocks * rb, block_rows=self.block, n_refused=self.n_refused,
+                    host_arena_bytes=self.host_arena.numel(), host_arena_used_bytes=self._arena.used * HOST_UNIT,
+                    host_arena_peak_bytes=self._arena.peak * HOST_UNIT, host_pinned_outside=self.n_host_pinned)

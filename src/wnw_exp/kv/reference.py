@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import StepAccounting, StepRecord, TiersPerHead, flat_pairs
+from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, TiersPerHead, flat_pairs
 
 
 @dataclass
@@ -29,7 +29,7 @@ class HeadTiers:
 
 
 @dataclass
-class AudioKVStore(TiersPerHead, StepAccounting):
+class AudioKVStore(TiersPerHead, StepAccounting, KVStore):
     n_layers: int
     n_kv_heads: int
     head_dim: int

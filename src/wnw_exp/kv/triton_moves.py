@@ -54,8 +54,8 @@ def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _NF):
 
 
 @triton.jit
-def _flush_kernel(tbl, row_st_ptr, row_r_ptr, scr_off_ptr, scratch_ptr, pair_st_ptr, pair_src_ptr, pair_dst_ptr,
-                  cnt_ptr, SCAN: tl.constexpr):
+def _flush_kernel(tbl, row_st_ptr, row_r_ptr, row_m_ptr, scr_off_ptr, scratch_ptr, pair_st_ptr, pair_src_ptr,
+                  pair_dst_ptr, cnt_ptr, SCAN: tl.constexpr):
     i = tl.program_id(0)
     st = tl.load(row_st_ptr + i)
     r = tl.load(row_r_ptr + i).to(tl.int64)
@@ -67,6 +67,7 @@ def _flush_kernel(tbl, row_st_ptr, row_r_ptr, scr_off_ptr, scratch_ptr, pair_st_
     scr = scratch_ptr + tl.load(scr_off_ptr + i)  # this row's scratch: its recalled positions, cap of them at most
     lane = tl.arange(0, SCAN)
     row_n = r * N
+    mirror_n = tl.load(row_m_ptr + i).to(tl.int64) * N  # the row's first element in the host mirror, in rows
     # 1a. the recalled positions (queued, not resident), ascending, into the scratch (those past `cap` cannot find a
     # free slot: only counted); and whether anything is queued on the row at all (else nothing below runs)
     n_rec = 0
@@ -96,7 +97,7 @@ def _flush_kernel(tbl, row_st_ptr, row_r_ptr, scr_off_ptr, scratch_ptr, pair_st_
         p = tl.load(scr + k, mask=fill, other=0)
         at = tl.atomic_add(cnt_ptr, tl.sum(fill.to(tl.int32), 0)) + k - n_free  # the fills' places in the list
         tl.store(pair_st_ptr + at, tl.zeros([SCAN], tl.int32) + st, mask=fill)
-        tl.store(pair_src_ptr + at, (row_n + p).to(tl.int32), mask=fill)
+        tl.store(pair_src_ptr + at, (mirror_n + p).to(tl.int32), mask=fill)
         tl.store(pair_dst_ptr + at, (base + s).to(tl.int32), mask=fill)
         tl.store(pos_ptr + base + s, p, mask=fill)
         tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
@@ -161,7 +162,7 @@ class FlushTables:
     must have the same row size in 16-bit words (`W`: the copy moves words, whatever the dtype)."""
 
     def __init__(self, parts: list, device: torch.device):
-        ptrs, row_st, row_r, scr_off, keep, words = [], [], [], [], [], set()
+        ptrs, row_st, row_r, row_m, scr_off, keep, words = [], [], [], [], [], [], set()
         n_slots = 0
         for s, (store, rows) in enumerate(parts):
             ts = [getattr(store, f) for f in FIELDS]
@@ -174,6 +175,7 @@ class FlushTables:
             for r in rows:
                 row_st.append(s)
                 row_r.append(int(r))
+                row_m.append(int(store.host_row[r]))  # its row in the host mirror
                 scr_off.append(n_slots)
                 n_slots += int(store.caps[r])  # a row's recalls fill at most its slots
         assert len(words) <= 1, "FlushTables: the stores' K/V rows differ in size"
@@ -182,11 +184,12 @@ class FlushTables:
         self._keep = keep
         as_t = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
         self.ptrs = as_t(ptrs, torch.int64).view(-1, NF) if ptrs else None
-        self.row_st, self.row_r = as_t(row_st, torch.int32), as_t(row_r, torch.int32)
+        self.row_st, self.row_r, self.row_m = as_t(row_st, torch.int32), as_t(row_r, torch.int32), as_t(row_m, torch.int32)
         self.scr_off = as_t(scr_off, torch.int64)
         self.n_rows, cap = len(row_r), max(n_slots, 1)
         self.scratch = torch.empty(cap, dtype=torch.int32, device=device)
-        # the pairs to copy: store, host mirror row (r * N + position), slot (16 bytes a slot with the scratch)
+        # the pairs to copy: store, host mirror row (its mirror row * N + position), slot (16 bytes a slot with the
+        # scratch)
         self.pair_st, self.pair_src, self.pair_dst = (torch.empty(cap, dtype=torch.int32, device=device)
                                                       for _ in range(3))
         self.count = torch.zeros(2, dtype=torch.int32, device=device)  # pairs listed; copy programs done
@@ -200,8 +203,8 @@ class FlushTables:
 
     def flush(self) -> None:
         """The first launch: the moves, the recalled pairs listed (`__call__` runs both launches)."""
-        _flush_kernel[(self.n_rows,)](self.ptrs, self.row_st, self.row_r, self.scr_off, self.scratch, self.pair_st,
-                                      self.pair_src, self.pair_dst, self.count, SCAN=SCAN)
+        _flush_kernel[(self.n_rows,)](self.ptrs, self.row_st, self.row_r, self.row_m, self.scr_off, self.scratch,
+                                      self.pair_st, self.pair_src, self.pair_dst, self.count, SCAN=SCAN)
 
     def copy(self) -> None:
         """The second launch: the listed pairs copied, the list emptied."""

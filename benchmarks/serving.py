@@ -31,7 +31,7 @@ shows it did.
 A row per (method, audio length): {"kind": "throughput", "method", "retention", "audio_tokens", "kv_budget_gb",
 "max_concurrent", "tokens_per_s", "p50_ms", "p95_ms", "h2d_gb_per_s", "preempted"} plus: requests, generated tokens,
 wall seconds, mean batch size, prefill ms (mean per request, and the longest stall of the running streams by one
-prefill chunk), the pool's peak use, requests refused, the GPU, date and command. tokens_per_s: every generated
+prefill chunk), the pool's peak use, its host arena (size, peak, mirrors pinned outside it), requests refused, the GPU, date and command. tokens_per_s: every generated
 token over the wall time from the arrival to the last finish (prefills included); p50/p95: inter-token latency of
 every stream over every token (the prefill chunks interleaved included; a preempted stream's tokens before its
 restart are not); h2d_gb_per_s: host -> device bytes of the recalls (of the runs that finished) over the decode
@@ -95,14 +95,15 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None,
-             arrivals: list[float] | None = None, overlap: bool | None = None) -> dict:
-    from wnw_exp.engine.serve import BatchStats, Request, decode_batch
+             arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None) -> dict:
+    from wnw_exp.engine.serve import BatchStats, Request, decode_batch, default_pool
     from wnw_exp.kv.pool import KVPool
 
     r = target(method, retention)
     template = policy_for(method, info, scores, prompt.n_audio, max(caps))
     template.check(r)
-    pool = KVPool.of_bytes(budget_gb * 1e9, bb.head_dim, bb.dtype, bb.device)
+    pool = (default_pool(bb, budget_gb, host_gb=host_gb, cpu_tier=template.cpu_tier)  # (pinned before the clock)
+            or KVPool.of_bytes(budget_gb * 1e9, bb.head_dim, bb.dtype, bb.device))
     stats = BatchStats()
     ds._sync()
     t0 = time.perf_counter()
@@ -144,6 +145,9 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 prefill_chunk_layers=chunk_layers, overlap_prefill=bool(overlap is not False and bb.device.type == "cuda"),
                 pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
                 pool_capacity_gb=pool.capacity_bytes / 1e9, refused=len(stats.refused),
+                host_arena_gb=pool.stats()["host_arena_bytes"] / 1e9,
+                host_arena_peak_gb=pool.stats()["host_arena_peak_bytes"] / 1e9,
+                host_pinned_outside=pool.stats()["host_pinned_outside"],
                 preempted=len(stats.preempted), expected_new_tokens=expected,
                 arrivals="poisson" if any(arrivals) else "burst", arrival_span_s=max(arrivals),
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
@@ -415,6 +419,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kv-budget-gb", type=float, help="the KV pool (default: 6 with --gpu, 0.0025 with --smoke)")
     # enough requests that the pool, not their number, sets the 0.2-retention methods' peak in 6 GB (Full holds
     # 12 / 5 there; WnW and AdaKV, whose answers' pages now come as they grow, about 3x as many)
+    ap.add_argument("--kv-host-gb", type=float, help="--gpu: the pool's pinned host arena for the host mirrors "
+                    "(default: twice the pool for a method with a CPU tier, at most a quarter of the memory)")
     ap.add_argument("--requests-4min", type=int, default=48)
     ap.add_argument("--requests-10min", type=int, default=20)
     ap.add_argument("--lengths", default="4,10", help="--gpu: which scenarios run, in minutes of audio (4, 10)")
@@ -537,7 +543,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         arrivals = poisson_arrivals(n_req, a.arrival_rate, seed=1)
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
                                                          a.prefill_chunk_layers, job_path, mean, arrivals,
-                                                         False if a.no_overlap_prefill else None)),
+                                                         False if a.no_overlap_prefill else None, a.kv_host_gb)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -358,6 +359,12 @@ def test_only_a_method_with_a_cpu_tier_keeps_a_host_mirror(method, host):
     st.prefill()
     assert (st.store.host_k is not None) == host == policy.cpu_tier
     assert st.store.summary()["r_gpu_cpu"] >= st.store.summary()["r_gpu"]
+    if method == "wnw":  # only the rows it offloads: the placed tidal heads', read from its placement
+        H = st.ctx.n_kv_heads
+        offloading = sorted(li * H + k for (li, k), pos in policy.offloaded.items() if len(pos))
+        mirrored = np.flatnonzero(st.store.host_row >= 0).tolist()
+        assert set(offloading) <= set(mirrored) and len(mirrored) < st.store.host_row.size
+        assert mirrored == sorted(li * H + k for li, k in policy.tidal if policy.retention[li, k] < 1)
     if not host:
         n = st.store.n_audio
         with pytest.raises(ValueError, match="no host tier.*cpu_tier = True"):
@@ -734,7 +741,7 @@ def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path):
 
 
 def test_kv_pool_gb_is_checked_and_outside_the_identity(tmp_path):
-    """`kv_pool_gb` (the GPU pool batched streams share) takes a size > 0 or null, one line otherwise, and does not
+    """`kv_pool_gb` (the GPU pool batched streams share; `kv_host_gb`, its host arena) takes a size > 0 or null, one line otherwise, and does not
     change the run directory (like batch_size, it cannot change a prediction)."""
     from wnw_exp.engine.runner import check_config
     from wnw_exp.rundir import identity_hash
@@ -744,7 +751,12 @@ def test_kv_pool_gb_is_checked_and_outside_the_identity(tmp_path):
             check_config({"retention": 0.2, "kv_pool_gb": bad})
     check_config({"retention": 0.2, "kv_pool_gb": 2.5})
     check_config({"retention": 0.2, "kv_pool_gb": None})
-    assert identity_hash(_run_config(tmp_path, "kv_pool_gb=3.0", "batch_size=4")) == identity_hash(_run_config(tmp_path))
+    for bad in (-1, "4", True):
+        with pytest.raises(ValueError, match=f"^kv_host_gb={bad!r}: the pinned host memory"):
+            check_config({"retention": 0.2, "kv_host_gb": bad})
+    check_config({"retention": 0.2, "kv_host_gb": 0})
+    assert identity_hash(_run_config(tmp_path, "kv_pool_gb=3.0", "batch_size=4", "kv_host_gb=8")) == \
+        identity_hash(_run_config(tmp_path))
 
 
 def test_kv_reserve_is_checked_reaches_admission_and_is_outside_the_identity(tmp_path, monkeypatch):

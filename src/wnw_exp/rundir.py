@@ -34,12 +34,12 @@ TIMING_FIELDS = ("ms_per_token", "prefill_ms")
 # The only config keys that cannot change a sample's prediction, so they are left out of the identity: where
 # the run directory and the synthetic clip cache live (runs_root, dataset.cache_dir, dataset.cache), how the
 # run is shown (progress), where and how fast it computes (device, engine: the decode path, batch_size: samples decoded together, each
-# with results identical to batch_size=1, kv_pool_gb, the memory they share, and kv_reserve, the room admission
+# with results identical to batch_size=1, kv_pool_gb and kv_host_gb, the memory they share, and kv_reserve, the room admission
 # keeps in it; cpu_threads), which samples it selects
 # (dataset.n, dataset.shard, dataset.num_shards: a sample's prediction does not depend on the others selected
 # with it). Every other key, present or future, is in the identity. The dtype actually computed in (dtype=auto
 # is bfloat16 on a GPU, float32 on the CPU) is stored and checked next to it, see identity_record.
-NOT_IDENTITY = ("runs_root", "progress", "device", "engine", "batch_size", "kv_pool_gb", "kv_reserve", "cpu_threads",
+NOT_IDENTITY = ("runs_root", "progress", "device", "engine", "batch_size", "kv_pool_gb", "kv_host_gb", "kv_reserve", "cpu_threads",
                 "dataset.n", "dataset.shard", "dataset.num_shards", "dataset.cache_dir", "dataset.cache")
 
 

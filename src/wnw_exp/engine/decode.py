@@ -134,7 +134,7 @@ class Stream:
 
             self.store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
                                             max_new_tokens + 1, kernels=path.kernels, pool=pool,
-                                            expected_new_tokens=expected_new_tokens, host_mirror=policy.cpu_tier)
+                                            expected_new_tokens=expected_new_tokens, host_mirror=policy.host_mirror(self.ctx))
         else:
             if pool is not None:
                 raise ValueError("a KV pool is the packed store's (store=packed)")

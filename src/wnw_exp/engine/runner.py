@@ -101,6 +101,10 @@ def check_config(cfg: dict) -> None:
     if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
         raise ValueError(f"kv_pool_gb={gb!r}: the KV pool batched streams share on the GPU, in GB (> 0), or null "
                          "for 80% of the free device memory")
+    host = cfg.get("kv_host_gb")
+    if host is not None and (isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0):
+        raise ValueError(f"kv_host_gb={host!r}: the pinned host memory for batched streams' host mirrors, in GB "
+                         "(>= 0), or null for twice the KV pool")
     res = cfg.get("kv_reserve")
     if res is not None and (isinstance(res, bool) or not isinstance(res, (int, float)) or res < 0
                             or (isinstance(res, float) and res > 1)):
@@ -269,7 +273,7 @@ def _run_batched(samples: list, backbone, policy, cfg: dict, finished) -> None:
     pool = None
     if path.get("store") != "reference":
         gb = cfg.get("kv_pool_gb")
-        pool = default_pool(backbone, gb)
+        pool = default_pool(backbone, gb, host_gb=cfg.get("kv_host_gb"), cpu_tier=policy.cpu_tier)
         if gb is not None and pool is None:
             warnings.warn(f"kv_pool_gb={gb}: the KV pool is the GPU's; on {backbone.device.type} each stream has its "
                           "own store", stacklevel=2)

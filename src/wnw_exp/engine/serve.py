@@ -10,6 +10,7 @@ it with one request.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -301,15 +302,24 @@ def _step_kind(runner, replayed: bool) -> str:
     return "capture" if getattr(runner, "graph", None) is not None else "eager"
 
 
-def default_pool(backbone: Backbone, gb: float | None = None, fraction: float = 0.8):
+def default_pool(backbone: Backbone, gb: float | None = None, fraction: float = 0.8, host_gb: float | None = None,
+                 cpu_tier: bool = False):
     """On CUDA, a `KVPool` of `gb` GB, or (None) `fraction` of the device memory free now: the budget batched
-    streams share; None on other devices (streams then allocate their own)."""
+    streams share; None on other devices (streams then allocate their own). Its pinned host arena for the streams'
+    host mirrors: `host_gb` GB, or (None) for a method with a CPU tier (`cpu_tier`) twice the device pool, at most a
+    quarter of the machine's memory (0 without one); a mirror the arena cannot hold is pinned on its own."""
     if backbone.device.type != "cuda":
         return None
     from wnw_exp.kv.pool import KVPool
 
     budget = gb * 1e9 if gb is not None else torch.cuda.mem_get_info(backbone.device)[0] * fraction
-    return KVPool.of_bytes(budget, backbone.head_dim, backbone.dtype, backbone.device)
+    if host_gb is not None:
+        host = host_gb * 1e9
+    elif cpu_tier:
+        host = min(2 * budget, 0.25 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    else:
+        host = 0
+    return KVPool.of_bytes(budget, backbone.head_dim, backbone.dtype, backbone.device, host_bytes=int(host))
 
 
 def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
@@ -330,9 +340,9 @@ def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
     from wnw_exp.kv.pool import PoolFull
 
     reserve = 0
-    if active and getattr(st.store, "pool", None) is not None:  # alone, it joins when its placed KV fits
+    if active and st.store.pool is not None:  # alone, it joins when its placed KV fits
         reserve = st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active
-                                                 if getattr(o.store, "pool", None) is not None)
+                                                 if o.store.pool is not None)
     try:
         st.finish_prefill(reserve)
     except PoolFull:
@@ -357,7 +367,7 @@ def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, 
     while i < len(active):
         st = active[i]
         store = st.store
-        if getattr(store, "pool", None) is None or store.ensure_dense(store.n_text + st.index + 1):
+        if store.pool is None or store.ensure_dense(store.n_text + st.index + 1):
             i += 1
             continue
         if len(active) == 1:
@@ -377,9 +387,7 @@ def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, 
 
 
 def _leave(st: Stream) -> None:
-    release = getattr(st.store, "release_memory", None)
-    if release is not None:
-        release()
+    st.store.release_memory()
 
 
 @torch.no_grad()

@@ -69,6 +69,9 @@ class KVStore(Protocol):
     def check(self) -> None:
         """After decoding: raise if a move could not be made (a captured flush cannot raise when it happens)."""
 
+    def release_memory(self) -> None:
+        """The stream has left (or was preempted): give back what it holds in a shared pool (nothing without one)."""
+
     def dense_keys(self, layer: int) -> torch.Tensor:
         """(H_kv, n, D) the layer's non-audio keys so far (after RoPE)."""
 

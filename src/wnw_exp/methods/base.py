@@ -93,6 +93,12 @@ class Policy:
         greedily with the engine and returns its `GenerationResult` (trace, store_summary). Default: nothing."""
         return {}
 
+    def host_mirror(self, ctx: SampleContext) -> bool | Any:
+        """Which rows (layer * n_kv_heads + KV head) of the sample may ever be put on the host tier: the packed store
+        keeps a pinned host copy of those only. Default: all of them when the method has a CPU tier, else none (a
+        bool, or an array of row indices)."""
+        return self.cpu_tier
+
     def fork(self) -> "Policy":
         """A policy for one more sample decoded at the same time as this one's (a batch): the same knobs and caches,
         its own per-sample state (`start` sets that state up; a copy made before it shares nothing mutable)."""

@@ -215,6 +215,13 @@ class WnW(Policy):
                              "tokens/s): use chunks of at least one token")
 
     # --- per sample -------------------------------------------------------------------------------
+    def host_mirror(self, ctx: SampleContext) -> bool | np.ndarray:
+        """Only the tidal heads' rows that `place` offloads (non-anchor, retention < 1) ever reach the host tier."""
+        if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
+            return True  # (`start` names the mismatch)
+        sol = self._solution(ctx)
+        return np.flatnonzero(((sol["roles"] == triage.TIDAL) & (sol["retention"] < 1.0)).ravel())
+
     def start(self, ctx: SampleContext, store: KVStore) -> None:
         super().start(ctx, store)
         if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
@@ -245,7 +252,7 @@ class WnW(Policy):
                                 torch.zeros(n_seg, dtype=torch.bool, device=dev))
             self._pairs: tuple[torch.Tensor, ...] | None = None  # built at the first chunk swap
             self._fused_swap = None  # with the store's Triton kernels: the decision and its records in one launch
-            if getattr(store, "kernels", None) == "triton":
+            if store.kernels == "triton":
                 from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
 
                 self._fused_swap = FusedChunkSwap(self.device_swap, self._rec, self._t, self.n_s, self.n_c,

@@ -638,9 +638,11 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
     dev = _triton_device()
     flushes = []  # per batched flush: (its stores, their movable rows, the rows its tables flush)
 
-    def counted(stores, held=None):
-        packed_flush(stores, held)
-        flushes.append((len(stores), sum(len(s._flush_blocks()[None]["rows"]) for s in stores), held["tables"].n_rows))
+    def counted(stores, held=None, launch=True):
+        packed_flush(stores, held, launch)
+        if launch:  # (launch=False builds a composition's tables before its capture)
+            flushes.append((len(stores), sum(len(s._flush_blocks()[None]["rows"]) for s in stores),
+                            held["tables"].n_rows))
 
     packed_flush = packed.flush_stores
     monkeypatch.setattr(packed, "flush_stores", counted)

@@ -231,6 +231,32 @@ def test_set_tiers_block_is_set_tiers_per_row_and_checks_once():
         assert torch.equal(getattr(new, k), x), k
 
 
+def test_deferred_checks_raise_at_compact_and_change_nothing_when_clean():
+    """`defer_checks`: the residency checks of the placement's calls are read at the next compact (one read for
+    every layer): a clean placement ends as with the checks made at each call; a bad one raises there, with the
+    same message as at the call."""
+    new, old = _packed(), _packed()
+    g = torch.Generator().manual_seed(3)
+    new.defer_checks()
+    for row0 in (0, 3):
+        keep = torch.rand(3, 30, generator=g) < 0.4
+        new.set_tiers_block(row0, keep)
+        old.set_tiers_block(row0, keep)
+    assert_same_store(new, old)
+    new.compact()
+    old.compact()
+    assert np.array_equal(new.caps, old.caps) and torch.equal(new.audio_k, old.audio_k)
+    for gpu, cpu, message in [(torch.ones(3, 30, dtype=torch.bool), None, "a position to keep"),
+                              (torch.zeros(3, 30, dtype=torch.bool), torch.ones(3, 30, dtype=torch.bool),
+                               "a position to offload")]:
+        bad = _packed()
+        bad.defer_checks()
+        bad.set_tiers_block(0, torch.rand(3, 30, generator=g) < 0.4)
+        bad.set_tiers_block(0, gpu, cpu)  # (row 0's dropped positions are asked for again: no error yet)
+        with pytest.raises(ValueError, match=f"set_tiers: {message} is not GPU-resident"):
+            bad.compact()
+
+
 def test_set_tiers_after_compact_matches_the_per_head_store():
     """Rows of unequal (and zero) capacity after `compact`: the block's slot arithmetic follows each row's region."""
     new, old = _packed(), _packed()

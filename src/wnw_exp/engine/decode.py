@@ -142,6 +142,8 @@ class Stream:
 
             self.store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
                                       max_new_tokens + 1)
+        if self.defer_place:  # every layer placed at once: one read of the store's checks, at its compaction
+            self.store.defer_checks()
         policy.start(self.ctx, self.store)
         self.tokens: list[int] = []
         self.emitted_at: list[float] = []  # perf_counter() when each token was there (inter-token latency)

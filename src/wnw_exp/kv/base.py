@@ -54,6 +54,10 @@ class KVStore(Protocol):
         """`set_tiers` of the consecutive rows row0 .. row0 + m - 1 at once: `gpu` and `cpu` (m, n_audio) bool masks
         (`cpu` may be None), `select` (m,) bool (None: every row) the rows to set."""
 
+    def defer_checks(self) -> None:
+        """Let the placement's residency checks be read at the next `compact` rather than at each call (a store
+        that reads nothing from the device per call ignores it)."""
+
     def compact(self, headroom: int | np.ndarray = 0) -> None:
         """After every layer's `set_tiers`: free what was dropped, keeping `headroom` rows per head for recalls."""
 

@@ -128,6 +128,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             mirrored = np.unique(np.asarray(host_mirror, np.int64).ravel())
             if len(mirrored) and (mirrored[0] < 0 or mirrored[-1] >= R):
                 raise ValueError(f"host_mirror: rows must be in [0, {R}) (layer * n_kv_heads + head)")
+        self._pending_checks: torch.Tensor | None = None  # `defer_checks`
         self.host_row = np.full(R, -1, np.int64)  # each row's mirror row (-1: none)
         self.host_row[mirrored] = np.arange(len(mirrored))
         self._host_row = torch.as_tensor(self.host_row, device=dev)
@@ -223,7 +224,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         get a host copy (may overlap `gpu`: a mirror); `select` (m,) bool or None (all): the rows to set, the others
         are left as they are. Each row's kept positions go to its first slots in ascending order, its other slots are
         freed, exactly as one `set_tiers` per row. Fixed-shape device work over the rows' slots and one host read,
-        the residency check, made before anything changes (a ValueError then changes nothing)."""
+        the residency check, made before anything changes (a ValueError then changes nothing; after `defer_checks`,
+        read at the next `compact` instead)."""
         dev, m = self.device, gpu.shape[0]
         if cpu is not None and self.host_k is None:
             raise ValueError("set_tiers: this store keeps no host tier (host_mirror=False); a method that offloads to "
@@ -235,14 +237,11 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         old_slot = self.slot_of[rows]
         resident = old_slot >= 0
         unmirrored = (self._host_row[rows] < 0)[:, None]
-        bad_keep, bad_host, bad_row = torch.stack([(keep & ~resident).any(), (host & ~resident).any(),
-                                                   (host & unmirrored).any()]).tolist()  # one read
-        if bad_keep:
-            raise ValueError("set_tiers: a position to keep is not GPU-resident")
-        if bad_host:
-            raise ValueError("set_tiers: a position to offload is not GPU-resident")
-        if bad_row:
-            raise ValueError("set_tiers: a row to offload has no host mirror (not among the store's host_mirror rows)")
+        bad = torch.stack([(keep & ~resident).any(), (host & ~resident).any(), (host & unmirrored).any()])
+        if self._pending_checks is not None:  # read at the next compact (`defer_checks`)
+            self._pending_checks |= bad
+        else:
+            self._raise_bad(bad)  # one read
         n = keep.sum(dim=1)  # (m,) the new resident counts
         new_slot = torch.where(keep, keep.cumsum(dim=1) - 1, -1).int()
         by_slot = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # row i's j-th kept position, j < n_i
@@ -267,12 +266,31 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self._union = None
         self._blocks = None
 
+    def defer_checks(self) -> None:
+        """The residency checks of the `set_tiers_block` calls that follow are read once, at the next `compact`
+        (a placement of every layer: one host read rather than one a layer, each of which would wait for the
+        device); a violation then raises there, after the store has changed (the stream is then abandoned)."""
+        self._pending_checks = torch.zeros(3, dtype=torch.bool, device=self.device)
+
+    @staticmethod
+    def _raise_bad(bad: torch.Tensor) -> None:
+        bad_keep, bad_host, bad_row = bad.tolist()
+        if bad_keep:
+            raise ValueError("set_tiers: a position to keep is not GPU-resident")
+        if bad_host:
+            raise ValueError("set_tiers: a position to offload is not GPU-resident")
+        if bad_row:
+            raise ValueError("set_tiers: a row to offload has no host mirror (not among the store's host_mirror rows)")
+
     def compact(self, headroom: int | np.ndarray = 0, reserve_blocks: int = 0) -> None:
         """Shrink each head's region to its resident count, + `headroom` rows where it can recall (frees memory).
         `headroom`: one count for every head, or one per row (L * H_kv,) = layer * H_kv + head (WnW sizes each
         tidal head's room by what its recalls can hold at once). A recall past a head's room raises.
         `reserve_blocks` (pool only): blocks that must stay free besides what the placement takes (admission by
         expected growth: this stream's and the running streams' expected dense pages), else `PoolFull`."""
+        if self._pending_checks is not None:
+            pending, self._pending_checks = self._pending_checks, None
+            self._raise_bad(pending)
         headroom = np.asarray(headroom, np.int64)
         if headroom.ndim and headroom.shape != self.caps.shape:
             raise ValueError(f"compact: headroom has shape {headroom.shape}, expected () or {self.caps.shape}")

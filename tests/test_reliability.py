@@ -162,6 +162,7 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("method.n_voice=13", r"n_voice=13 is outside \[0, 12\] \(the model has 12 KV heads\)"),
+    ("method.n_voice=most", r"method.n_voice='most': auto \(§3.4\), all \(every KV head a voice head\) or a number"),
     ("method.chunk_seconds=0.05", "shorter than one audio token"),
 ])
 def test_impossible_wnw_settings_are_refused_before_any_sample(override, message, finished_run):

@@ -48,6 +48,17 @@ def test_default_head_counts_follow_section_3_4():
     assert triage.default_n_anchor(0.2, 12) == 1 and triage.default_n_voice(0.2, 12) == 5
 
 
+def test_n_voice_all_makes_every_non_anchor_head_tidal():
+    scores = scores_for(VS, HS)  # importance [[.9 .5 .5] [.8 .4 .6]]: anchors (0,0), (1,0)
+    roles, _, n_voice, n_anchor = WnW(scores=scores, n_voice="all", n_anchor=2).triage_for(0.2)
+    assert roles.tolist() == [[A, T, T], [A, T, T]] and (n_voice, n_anchor) == (6, 2)
+    assert WnW(scores=scores, n_voice="6", n_anchor=2).triage_for(0.2)[0].tolist() == roles.tolist()
+    for bad in ("most", 4.5, True, "-1"):
+        with pytest.raises(ValueError, match=r"method.n_voice=.*: auto \(§3.4\), all \(every KV head a voice head\) "
+                                             r"or a number of KV heads"):
+            WnW(scores=scores, n_voice=bad)
+
+
 # --- lambda --------------------------------------------------------------------------------------------
 def test_lambda_solver_meets_target_with_segment_floors():
     rng = np.random.RandomState(0)

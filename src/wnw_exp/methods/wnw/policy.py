@@ -1,8 +1,8 @@
 """WnW (§2.2-2.3): anchor / tidal / fixed heads, per-segment prefill selection, decode-time chunk swap.
 
 Triage (once per retention target, from `method.head_scores`): heads ranked by VS x HS (or VS, HS:
-`signal`, ablation A3); the top `n_voice` are voice heads, the top `n_anchor` of those anchors, the
-other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
+`signal`, ablation A3); the top `n_voice` are voice heads (`all`: every head), the top `n_anchor` of those anchors,
+the other voice heads tidal, the rest fixed. Non-anchor heads keep retention_i = min(s~_i lambda, 1) of
 their audio, s~ = score / max score over non-anchor heads.
 
 lambda (`lam: auto`) is solved per sample, by bisection (it depends on the sample only through its audio length: it
@@ -164,6 +164,10 @@ class WnW(Policy):
         self.quota, self.swap_start, self.head_scale = quota, swap_start, head_scale
         if top_k < 1 or delta < 1 or chunk_seconds <= 0 or stride_seconds <= 0:
             raise ValueError("method.top_k and method.delta must be >= 1, chunk and stride seconds > 0")
+        if not (n_voice in (None, "auto", "all") or (isinstance(n_voice, int) and not isinstance(n_voice, bool))
+                or (isinstance(n_voice, str) and n_voice.isdigit())):
+            raise ValueError(f"method.n_voice={n_voice!r}: auto (§3.4), all (every KV head a voice head) or a "
+                             "number of KV heads")
         self.n_voice_cfg, self.n_anchor_cfg, self.lam_cfg = n_voice, n_anchor, lam
         self.tolerance, self.signal, self.selection = float(lambda_tolerance), signal, selection
         self.chunk_seconds, self.stride_seconds = float(chunk_seconds), float(stride_seconds)
@@ -183,7 +187,10 @@ class WnW(Policy):
         """(roles, s~, n_voice, n_anchor) for a target r_GPU."""
         if retention not in self._triage_cache:
             n = self.importance.size
-            nv = triage.default_n_voice(retention, n) if self.n_voice_cfg in (None, "auto") else int(self.n_voice_cfg)
+            if self.n_voice_cfg in (None, "auto"):
+                nv = triage.default_n_voice(retention, n)
+            else:  # all: every KV head a voice head, so every non-anchor head follows the chunk swap
+                nv = n if self.n_voice_cfg == "all" else int(self.n_voice_cfg)
             na = triage.default_n_anchor(retention, n) if self.n_anchor_cfg in (None, "auto") else int(self.n_anchor_cfg)
             if self.n_anchor_cfg in (None, "auto"):
                 na = min(na, nv)

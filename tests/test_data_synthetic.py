@@ -116,7 +116,7 @@ def test_word_event_mapping_survives_espeak_quirks():
 
 
 def test_clips_with_unalignable_sentences_still_synthesise():
-    # (1_000_000, 14) used to raise "no WORD event for ['was']" (found by the train-tiny helper): the
+    # (1_000_000, 14) used to raise "no WORD event for ['was']" (found in training): the
     # sentence is now redrawn. Checked on a fixed voice/short clip to stay fast.
     from wnw_exp.data.synthetic import UnalignedSentence, _Espeak, _lock
 

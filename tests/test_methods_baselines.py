@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
+from wnw_exp.engine.decode import place
 from wnw_exp.engine.serve import generate
 from wnw_exp.methods import build_policy
 from wnw_exp.methods.base import SampleContext
@@ -276,7 +277,7 @@ def _arkvale_pair(n_audio=200, layers=2, heads=2, group=2, d=8, retention=0.4, s
         policy.start(ctx, store)
         for li in range(layers):
             store.write_prefill(li, k[li], k[li] + 1, (1, 1 + n_audio))
-            policy.place(li, PrefillScores(post[li], audio_keys=k[li, :, 1:1 + n_audio]))
+            place(policy, store, li, PrefillScores(post[li], audio_keys=k[li, :, 1:1 + n_audio]))
         store.compact(headroom=policy.recall_headroom)
         pair.append((policy, store))
     return pair

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import noise_audio, scores_for, tiny_voxtral
+from wnw_exp.engine.decode import place
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScoresError
 from wnw_exp.engine.serve import generate
@@ -202,7 +203,7 @@ def make_policy(n_audio=100, delta=3, swap_start="decode", store_cls=AudioKVStor
         store.write_prefill(layer, k, k + 1, (1, 1 + n_audio))
         # text-to-audio attention: the first positions of each segment score highest
         post = torch.linspace(1.0, 0.0, 10).repeat(n_audio // 10)[None, None].expand(4, 2, n_audio)
-        policy.place(layer, PrefillScores(post.clone()))
+        place(policy, store, layer, PrefillScores(post.clone()))
     return policy, store
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from helpers import scores_for
 
+from wnw_exp.engine.decode import place
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext
@@ -124,7 +125,7 @@ def test_place_per_layer_matches_per_head(selection, quota, store_cls, device):
         k, post = layer_inputs(layer, device)
         for s in (store, old_store):
             s.write_prefill(layer, k, k + 1, (2, 2 + N_AUDIO))
-        policy.place(layer, PrefillScores(post.clone()))
+        place(policy, store, layer, PrefillScores(post.clone()))
         offloaded.update(old_place(old_policy, layer, PrefillScores(post.clone()), set_tiers))
     assert_same_store(store, old_store)
     assert torch.equal(policy.scores_acc, old_policy.scores_acc) and policy.scores_acc.any()  # the anchors' last row
@@ -164,7 +165,7 @@ def test_place_reads_the_host_once_per_layer(selection):
         k, post = layer_inputs(layer)
         store.write_prefill(layer, k, k + 1, (2, 2 + N_AUDIO))
         with HostReads() as mode:
-            policy.place(layer, PrefillScores(post))
+            place(policy, store, layer, PrefillScores(post))
         assert mode.reads == ["tolist"], layer
     with HostReads() as mode:
         offloaded = policy.offloaded

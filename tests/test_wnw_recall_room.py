@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import scores_for
 
+from wnw_exp.engine.decode import place
 from wnw_exp.methods.wnw import triage
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
@@ -44,7 +45,7 @@ def _setup(store_cls, delta=3, selection="segment", room_delta=0):
         k = torch.randn(2, N_AUDIO + 3, 4)
         store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
         post = torch.rand(4, 2, N_AUDIO)
-        policy.place(layer, PrefillScores(post))
+        place(policy, store, layer, PrefillScores(post))
     if store_cls is PackedAudioKVStore:
         store.compact(headroom=policy.recall_headroom + room_delta)
     return policy, store

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import scores_for
 
+from wnw_exp.engine.decode import place
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext
 from wnw_exp.methods.wnw import WnW, triage
@@ -216,7 +217,7 @@ def test_host_tier_reads_equal_the_per_head_formulas(selection):
         for h in range(H):
             if p.roles[li, h] == T and p.retention[li, h] < 1:
                 keeps[(li, h)] = triage.select_positions(per_head[h], float(p.retention[li, h]), p.n_s, selection)
-        p.place(li, PrefillScores(post))
+        place(p, p.store, li, PrefillScores(post))
         if li == 2:
             assert len(p.offloaded) > 0  # read part-way: the later layers' masks are read at the next read
     off = p.offloaded

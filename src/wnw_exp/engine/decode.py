@@ -189,7 +189,7 @@ class Stream:
                     if self.defer_place:  # placed once the forward pass has run (`finish_prefill`): no host read
                         self._scores.append((li, scores))
                     else:
-                        policy.place(li, scores)
+                        place(policy, store, li, scores)
                     return out
 
                 hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
@@ -231,7 +231,7 @@ class Stream:
             self._done_event = None
         t0 = time.perf_counter()
         for li, scores in self._scores:
-            self.policy.place(li, scores)
+            place(self.policy, self.store, li, scores)
         self._scores = []
         if reserve_blocks:
             self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)
@@ -399,6 +399,13 @@ def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, 
     if warmed is not None and graph:  # this batch shape's kernels have run (eagerly or in a capture)
         warmed.add(batched["warm_key"])
     return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
+
+
+def place(policy, store, layer: int, scores: PrefillScores) -> None:
+    """The method's placement of `layer` (`Policy.place`), set in the store."""
+    placement = policy.place(layer, scores)
+    if placement is not None:
+        placement.apply(store, layer)
 
 
 def _warm_key(active: list[Stream]) -> tuple:

@@ -13,7 +13,7 @@ Recipe, per layer, at prefill (`place`):
    its top round(c_h * (1 - floor_alpha) + int(B * floor_alpha)) positions, floor_alpha = 0.8. AdaKV's per-head
    rounding can add up to H_kv / 2 positions to the layer; they are taken back from the largest budgets
    (`scoring.trim_to_total`), so the layer keeps at most H_kv * B.
-4. The rest is dropped for good: `store.set_tiers_block` of the layer's heads, kept masks only (one stable sort
+4. The rest is dropped for good: one `Placement` of the layer's heads, kept masks only (one stable sort
    for the layer, `scoring.top_masks`); there is no CPU tier, so r_GPU = r_GPU+CPU.
 With B >= n_audio (retention 1.0) nothing is touched, so the method then gives exactly Full's tokens.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wnw_exp.methods import register
-from wnw_exp.methods.base import Policy, PrefillScores
+from wnw_exp.methods.base import Placement, Policy, PrefillScores
 from wnw_exp.methods.scoring import adakv_capacities, snapkv_scores, top_masks, trim_to_total
 
 
@@ -45,16 +45,16 @@ class AdaKV(Policy):
         super().start(ctx, store)
         self._caps: list[torch.Tensor] = []  # each placed layer's per-head budgets
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
+    def place(self, layer: int, scores: PrefillScores) -> Placement | None:
         n = scores.post_audio.shape[-1]
         budget = int(self.ctx.retention * n + 1e-9)  # floor (0.2 * 25 = 4.999...: the epsilon keeps the 5)
         if budget >= n:
-            return
+            return None
         s = snapkv_scores(scores.post_audio, window=self.window_size, kernel=self.kernel_size,
                           pooling=self.pooling, group=self.ctx.group)
         caps = trim_to_total(adakv_capacities(s, budget, self.floor_alpha), s.shape[0] * budget)
         self._caps.append(caps)  # read at the end (`knobs`): no host read per layer here
-        self.store.set_tiers_block(layer * self.ctx.n_kv_heads, top_masks(s, caps))
+        return Placement(top_masks(s, caps))
 
     def knobs(self) -> dict:
         """The spread of the per-head budgets AdaKV chose, as fractions of the audio tokens."""

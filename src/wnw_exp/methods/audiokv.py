@@ -34,7 +34,7 @@ import torch
 from wnw_exp.head_scores import resolve_head_scores
 from wnw_exp.kv.base import KVStore
 from wnw_exp.methods import register
-from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
 from wnw_exp.methods.scoring import top_masks
 
 
@@ -95,7 +95,7 @@ class AudioKV(Policy):
                              f"{(ctx.n_layers, ctx.n_kv_heads)}")
         self.budget = head_budgets(self.scores.voice_score, ctx.retention, ctx.n_audio, self.baseline_ratio)
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
+    def place(self, layer: int, scores: PrefillScores) -> Placement | None:
         rows = scores.last_window if scores.last_window is not None else scores.post_audio
         post = rows[:, -self.window:]  # (H_q, w, n_audio)
         H, g = self.ctx.n_kv_heads, self.ctx.group
@@ -106,9 +106,10 @@ class AudioKV(Policy):
         smooth = fft_smooth(s, self.alpha, self.rho)
         budget = np.minimum(self.budget[layer], n_a)
         placed = budget < n_a  # a head whose budget covers its audio keeps everything, untouched
-        if placed.any():  # each placed head's top `budget` positions (ties: the earlier), the layer in one call
-            self.store.set_tiers_block(layer * H, top_masks(smooth, torch.as_tensor(budget)), None,
-                                       select=torch.as_tensor(placed))
+        if not placed.any():
+            return None
+        # each placed head's top `budget` positions (ties: the earlier), the layer in one placement
+        return Placement(top_masks(smooth, torch.as_tensor(budget)), select=torch.as_tensor(placed))
 
     def knobs(self) -> dict:
         return dict(alpha=self.alpha, rho=self.rho, window=self.window, baseline_ratio=self.baseline_ratio,

@@ -1,5 +1,8 @@
 """The policy interface: a method decides, the store executes.
 
+At prefill a method returns its decision as data: `place` gives each layer's `Placement` (which audio positions
+each KV head keeps on the device, which get a host copy) and the engine sets the store's tiers from it.
+
 The engine calls these hooks at fixed points with plain tensors; a method overrides only the hooks it
 needs. The base class does nothing (everything stays on the device): `FullCache`, the reference, is it under its
 own name. A method's class attributes say what the CLI and the report need without building it: `uses_retention`,
@@ -67,6 +70,22 @@ class PrefillScores:
     audio_keys: torch.Tensor | None = None
 
 
+@dataclass
+class Placement:
+    """One layer's tiers, decided at prefill: for its KV heads (store rows layer * n_kv_heads + head), `gpu`
+    (n_kv_heads, n_audio) bool, the positions kept on the device; `cpu` (same shape) bool or None, the positions
+    given a host copy (a position in both is resident and recallable after a release); every other position is
+    dropped; `select` (n_kv_heads,) bool or None: only these heads are set, the others keep everything."""
+
+    gpu: torch.Tensor
+    cpu: torch.Tensor | None = None
+    select: torch.Tensor | None = None
+
+    def apply(self, store: KVStore, layer: int) -> None:
+        """Set the tiers of `layer`'s heads in `store` (`KVStore.set_tiers_block`)."""
+        store.set_tiers_block(layer * self.gpu.shape[0], self.gpu, self.cpu, self.select)
+
+
 class Policy:
     """The protocol, and its default: keeps every audio position on the device and never moves anything."""
 
@@ -120,8 +139,10 @@ class Policy:
         """Before layer `layer` at prefill: may merge audio tokens (AffPool). Returns (hidden, positions, span)."""
         return hidden, positions, audio_span
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
-        """After prefill attention of `layer`: choose each KV head's GPU / CPU / dropped audio positions."""
+    def place(self, layer: int, scores: PrefillScores) -> Placement | None:
+        """After prefill attention of `layer`: each KV head's GPU / CPU / dropped audio positions (None: all stay on
+        the device). The engine applies it (`Placement.apply`); a method does not set the store's tiers itself."""
+        return None
 
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
         """At decode, before attention of `layer`, with the step's query (H_q, D) after RoPE. Moves queued here

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from wnw_exp.methods import register
-from wnw_exp.methods.base import Policy, PrefillScores
+from wnw_exp.methods.base import Placement, Policy, PrefillScores
 
 GRANULARITIES = ("token", "chunk")
 
@@ -66,22 +66,20 @@ class Oracle(Policy):
         self.scale = ctx.head_dim ** -0.5
         self.recall_headroom = n  # any head may hold any of its positions (its region keeps them all)
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
+    def place(self, layer: int, scores: PrefillScores) -> Placement | None:
         if self.k_blocks >= self.n_blocks:
-            return  # r = 1: everything stays, nothing moves
+            return None  # r = 1: everything stays, nothing moves
         keys = scores.audio_keys
         if keys.shape[1] != self.ctx.n_audio:
             raise ValueError("the oracle ranks the prompt's audio tokens; it cannot follow a merging method")
         self.keys[layer] = keys.clone()
-        everything = torch.arange(self.ctx.n_audio)
         # Until its first decode step the layer keeps the top blocks of the prompt's last row (the row that emits the
         # first answer token), so that no step, the first included, sees more than the kept share on the device.
         H, g = self.ctx.n_kv_heads, self.ctx.group
         last = (scores.last_window if scores.last_window is not None else scores.post_audio)[:, -1]
         keep = self.keep_mask(last.float().view(H, g, -1).sum(dim=1))
-        for head in range(H):  # every position mirrored on the host
-            self.store.set_tiers(layer, head, keep[head].nonzero().flatten(), everything)
         self.resident[layer] = keep
+        return Placement(keep, torch.ones_like(keep))  # every position mirrored on the host
 
     def true_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(H_kv, n_audio): the step's softmax weights at the audio positions, summed over each GQA group."""

@@ -69,11 +69,11 @@ class PlacementTrace:
         self._inner_heads: dict[int, list[int]] = {}
         self.steps: list[dict] = []
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
+    def place(self, layer: int, scores: PrefillScores):
         if scores.audio_keys.shape[1] != self.ctx.n_audio:
             raise ValueError("PlacementTrace needs every prompt audio key (a merging method changes them)")
         self.keys[layer] = scores.audio_keys.detach().clone()
-        self.inner.place(layer, scores)
+        return self.inner.place(layer, scores)
 
     def observe_heads(self, layer: int) -> list[int]:
         # The wrapped method's heads, or one head where it watches none: either way the engine calls `observe`

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wnw_exp.methods import register
-from wnw_exp.methods.base import Policy, PrefillScores
+from wnw_exp.methods.base import Placement, Policy, PrefillScores
 from wnw_exp.methods.scoring import balanced_bounds, spread_budget
 
 
@@ -136,10 +136,10 @@ class ArkVale(Policy):
         return torch.cat([torch.arange(int(b[p]), int(b[p + 1])) for p in pages.tolist()]) if len(pages) \
             else torch.empty(0, dtype=torch.long)
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
+    def place(self, layer: int, scores: PrefillScores) -> Placement | None:
         n_pages = len(self.bounds) - 1
         if all(p == n_pages for p in self.budget[layer]):
-            return  # everything stays resident: Full
+            return None  # everything stays resident: Full
         if scores.post_audio.shape[-1] != self.ctx.n_audio:
             raise ValueError("arkvale pages the prompt's audio tokens; it cannot follow a merging method")
         last = scores.post_audio[:, -1].float()  # (H_q, n): attention of the last prompt token
@@ -155,11 +155,12 @@ class ArkVale(Policy):
             resident = torch.zeros(n_pages, dtype=torch.bool)
             resident[keep] = True
             res.append(resident)
-            # The CPU mirror holds every page, resident ones included, so any page can be released later.
-            self.store.set_tiers(layer, head, self._positions(torch.sort(keep).values),
-                                 self._positions(torch.arange(n_pages)))
         self.digests[layer] = (torch.stack(his), torch.stack(los))
-        self.resident[layer] = torch.stack(res).to(self.ctx.device) if self.on_device else torch.stack(res)
+        pages = torch.stack(res)
+        self.resident[layer] = pages.to(self.ctx.device) if self.on_device else pages
+        # The CPU mirror holds every page, resident ones included, so any page can be released later.
+        gpu = pages[:, torch.repeat_interleave(torch.arange(n_pages), self.bounds.diff())]  # (H_kv, n_audio)
+        return Placement(gpu, torch.ones_like(gpu))
 
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
         if layer not in self.resident:

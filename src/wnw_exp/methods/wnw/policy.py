@@ -47,8 +47,8 @@ summed over the prompt tokens after the audio and over its GQA group's query hea
 floor(retention * n_s) of each n_s-token segment (`selection: segment`) or one global top-k of the same
 total (`selection: global`, ablation A2). Tidal heads move the rest to the CPU tier, fixed heads drop
 it, anchors keep everything. A layer's heads are placed together: one stable sort selects for all of them
-(`triage.select_masks`, the per-head `triage.select_positions` is its specification) and one store call sets
-their tiers (`set_tiers_block`), so a layer costs a few launches and one host read (the store's check).
+(`triage.select_masks`, the per-head `triage.select_positions` is its specification) and one `Placement` sets
+their tiers (the store's `set_tiers_block`), so a layer costs a few launches and one host read (the store's check).
 
 `head_scale: flat` replaces s~ by 1 for every non-anchor head (Eq. 1 without the importance), so a fixed
 `lam` is every non-anchor head's share: `n_anchor = n_voice`, `head_scale: flat`, `lam: 0.05` keeps the voice
@@ -100,7 +100,7 @@ from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScores, resolve_head_scores
 from wnw_exp.kv.base import KVStore
 from wnw_exp.methods import register
-from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw.mobility import measure_swap_mobility
 
 RECALL_BUDGETS = ("peak", "expected", "none")
@@ -359,11 +359,10 @@ class WnW(Policy):
     def observe_heads(self, layer: int) -> list[int]:
         return self.anchor_q.get(layer, [])
 
-    def place(self, layer: int, scores: PrefillScores) -> None:
+    def place(self, layer: int, scores: PrefillScores) -> Placement | None:
         """Prefill selection of one layer: every placed head (non-anchor, retention < 1) at once, one mask per head from
-        one stable sort (`triage.select_masks`), set in one store call (`set_tiers_block`: tidal heads offload the
-        rest, fixed heads drop it). No host read here but the store's residency check; the tidal heads' host-tier
-        positions are read back when `offloaded` is first read after it."""
+        one stable sort (`triage.select_masks`), in one placement (tidal heads offload the rest, fixed heads drop it).
+        No host read here; the tidal heads' host-tier positions are read back when `offloaded` is first read."""
         post = scores.post_audio  # (H_q, n_post, n_audio)
         H, g = self.ctx.n_kv_heads, self.ctx.group
         per_head = post.float().sum(dim=1).view(H, g, -1).sum(dim=1)  # (H_kv, n_audio)
@@ -375,13 +374,13 @@ class WnW(Policy):
             a0, a1 = plan["anchor_at"][layer], plan["anchor_at"][layer + 1]
             self.scores_acc += last.index_select(0, plan["anchor_q"][a0:a1]).float().sum(dim=0)
         if not plan["placed_host"][layer].any():
-            return
+            return None
         keep = triage.select_masks(per_head, plan["quotas"][layer], plan["block"])  # (H_kv, n_audio)
         tidal_heads = plan["tidal_heads"][layer]
         offload = ~keep & plan["tidal"][layer][:, None] if tidal_heads else None
-        self.store.set_tiers_block(layer * H, keep, offload, select=plan["placed"][layer])
         if tidal_heads:
             self._unread.append((layer, tidal_heads, keep))
+        return Placement(keep, offload, select=plan["placed"][layer])
 
     def _placement(self, n_a: int) -> dict:
         """What `place` needs for every layer: each (layer, KV head)'s per-block quotas (`triage.block_quotas`), which

@@ -7,6 +7,10 @@ the peak r_GPU and the lambda solve, and the knob's validation. The anchor atten
 focus jumps to a chunk far from the previous ones at every step. No kernel runs here (moves only).
 """
 
+import functools
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -76,7 +80,7 @@ def _setup(store_cls, fixed_window, room_delta=0):
         k = torch.randn(2, N_AUDIO + 3, 4)
         store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
         policy.place(layer, PrefillScores(torch.rand(4, 2, N_AUDIO)))
-    if store_cls is PackedAudioKVStore:
+    if isinstance(store, PackedAudioKVStore):
         store.compact(headroom=policy.recall_headroom + room_delta)
     return policy, store
 
@@ -137,6 +141,27 @@ def test_packed_store_holds_what_the_reference_holds_within_its_room():
         for h in [(0, 1), (1, 0), (1, 1)]:
             assert _positions(store, *h) == _positions(ref, *h), (s, h)
     assert peak == room[1]  # disjoint windows, step after step: the room is reached, never exceeded
+
+
+def test_triton_store_falls_back_to_the_pytorch_swap():
+    """The one-launch Triton chunk swap has no window: with `fixed_window` the policy decides with the PyTorch
+    kernels (one warning line) and the Triton store's moves hold what the reference store holds."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional `gpu` extra)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    with pytest.warns(UserWarning, match="method.fixed_window runs the chunk swap with the PyTorch kernels"):
+        policy, store = _setup(functools.partial(PackedAudioKVStore, kernels="triton"), fixed_window=4)
+    assert policy.on_device and policy._fused_swap is None
+    ref_policy, ref = _setup(AudioKVStore, fixed_window=4)
+    for s in range(6):
+        _step(policy, s)
+        _step(ref_policy, s)
+        store.flush()
+        store.end_step()
+        ref.end_step()
+        for h in [(0, 1), (1, 0), (1, 1)]:
+            assert _positions(store, *h) == _positions(ref, *h), (s, h)
 
 
 def test_one_row_less_and_the_store_refuses_the_window():

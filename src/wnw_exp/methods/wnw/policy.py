@@ -78,6 +78,15 @@ shared by all tidal heads (they all follow the same anchor signal):
 The decisions made after step s take effect at step s + 1 (`lag: 1`, §2.3); `lag: 2`, the pipelined variant, puts
 them in force one step later (an option of the benchmark, not of the paper).
 
+`fixed_window` (beyond the paper; 0, off, is the paper): the fixed heads (retention < 1) move what their prefill
+quota misses to the CPU tier instead of dropping it, and hold on the device the `fixed_window` segments centred on
+the anchors' focus chunk (the swap's top chunk, `triage.window_segments`), moved with it after every decision
+(recall the segments it enters, release those it leaves; no delta hysteresis). The peak lambda solve budgets
+2 x `fixed_window` segments of each fixed head's host tier (the packed store releases the left window one step
+late), so lambda falls, and the demotion of tidal heads on short clips counts a demoted head's window. Needs
+`recall_budget: peak` and `lag: 1`. On a queuing store the window is decided on the device with the PyTorch
+chunk swap (the one-launch Triton swap, `triton_swap`, has no window; `start` warns).
+
 Where the chunk swap runs: on the reference store (the CPU) `triage.ChunkSwap` on the host, the specification;
 on a store that queues its moves (the packed GPU store) `triage.DeviceChunkSwap`, the same rule on device
 tensors: A, the chunk means, the top-k, the segment states and the recall/release masks never leave the device,

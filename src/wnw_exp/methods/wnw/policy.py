@@ -78,6 +78,15 @@ shared by all tidal heads (they all follow the same anchor signal):
 The decisions made after step s take effect at step s + 1 (`lag: 1`, §2.3); `lag: 2`, the pipelined variant, puts
 them in force one step later (an option of the benchmark, not of the paper).
 
+`fixed_window` (beyond the paper; 0, off, is the paper): the fixed heads (retention < 1) move what their prefill
+quota misses to the CPU tier instead of dropping it, and hold on the device the `fixed_window` segments centred on
+the anchors' focus chunk (the swap's top chunk, `triage.window_segments`), moved with it after every decision
+(recall the segments it enters, release those it leaves; no delta hysteresis). The peak lambda solve budgets
+2 x `fixed_window` segments of each fixed head's host tier (the packed store releases the left window one step
+late), so lambda falls, and the demotion of tidal heads on short clips counts a demoted head's window. Needs
+`recall_budget: peak` and `lag: 1`. On a queuing store the window is decided on the device with the PyTorch
+chunk swap (the one-launch Triton swap, `triton_swap`, has no window; `start` warns).
+
 Where the chunk swap runs: on the reference store (the CPU) `triage.ChunkSwap` on the host, the specification;
 on a store that queues its moves (the packed GPU store) `triage.DeviceChunkSwap`, the same rule on device
 tensors: A, the chunk means, the top-k, the segment states and the recall/release masks never leave the device,
@@ -143,7 +152,7 @@ class WnW(Policy):
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
                  top_k: int = 3, delta: int = 3, recall_budget: str = "peak", mobility: float | str = "auto",
                  quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance", lag: int = 1,
-                 backbone_info: dict | None = None, scores=None):
+                 fixed_window: int = 0, backbone_info: dict | None = None, scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
         if lag not in (1, 2):
             raise ValueError(f"method.lag={lag!r}: 1 (a decision after step s is in force at s + 1) or 2 (pipelined)")
@@ -177,6 +186,13 @@ class WnW(Policy):
         if mobility not in (None, "auto") and not 0 <= float(mobility) <= 1:
             raise ValueError(f"method.mobility={mobility} must be auto or a number in [0, 1]")
         self.recall_budget, self.mobility_cfg = recall_budget, mobility
+        if isinstance(fixed_window, bool) or not isinstance(fixed_window, int) or fixed_window < 0:
+            raise ValueError(f"method.fixed_window={fixed_window!r}: a number of segments >= 0 (0: off) that the fixed "
+                             "heads hold around the anchors' focus chunk")
+        if fixed_window and (recall_budget != "peak" or self.lag != 1):
+            raise ValueError(f"method.fixed_window={fixed_window} needs method.recall_budget=peak and method.lag=1 "
+                             "(its room is budgeted per step)")
+        self.fixed_window = fixed_window
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         self._triage_cache: dict[float, tuple] = {}
@@ -223,11 +239,12 @@ class WnW(Policy):
 
     # --- per sample -------------------------------------------------------------------------------
     def host_mirror(self, ctx: SampleContext) -> bool | np.ndarray:
-        """Only the tidal heads' rows that `place` offloads (non-anchor, retention < 1) ever reach the host tier."""
+        """Only the rows that `place` offloads (tidal heads, and with `fixed_window` fixed heads, at retention < 1)
+        ever reach the host tier."""
         if (ctx.n_layers, ctx.n_kv_heads) != self.importance.shape:
             return True  # (`start` names the mismatch)
         sol = self._solution(ctx)
-        return np.flatnonzero(((sol["roles"] == triage.TIDAL) & (sol["retention"] < 1.0)).ravel())
+        return np.flatnonzero((((sol["roles"] == triage.TIDAL) & (sol["retention"] < 1.0)) | sol["window"]).ravel())
 
     def start(self, ctx: SampleContext, store: KVStore) -> None:
         super().start(ctx, store)
@@ -241,10 +258,17 @@ class WnW(Policy):
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self._offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._unread: list[tuple[int, list[int], torch.Tensor]] = []  # placed layers whose masks `offloaded` reads
-        self._host_index: tuple[np.ndarray, np.ndarray] | None = None  # built at the first chunk swap
+        self._host_index: dict[bool, tuple] = {}  # (window?) -> by-position host-tier index, built at the first move
         self._held: tuple = ([], [])  # lag 2: the decision waiting one step
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
                            resident_segments=[])
+        self._window_rows = {(int(li), int(k)) for li, k in zip(*np.nonzero(self.window))}
+        self._window_at: list[int] = []  # `fixed_window`: the segments the fixed heads hold now (host swap)
+        self.windowed = bool(self._window_rows) and self.has_anchors and bool(self.swap.chunks)
+        if self.windowed:
+            self._window_table = triage.window_segments(self.swap.chunk_segments, len(self.swap.segments),
+                                                        self.fixed_window)
+            self._trace["window_segments"] = []
         self.on_device = bool(store.queues_moves) and self.has_anchors and bool(self.swap.chunks)
         if self.on_device:
             dev, n_steps = ctx.device, store.dense_capacity + 2  # every decision of the sample (prefill's included)
@@ -259,7 +283,15 @@ class WnW(Policy):
                                 torch.zeros(n_seg, dtype=torch.bool, device=dev))
             self._pairs: tuple[torch.Tensor, ...] | None = None  # built at the first chunk swap
             self._fused_swap = None  # with the store's Triton kernels: the decision and its records in one launch
-            if store.kernels == "triton":
+            if self.windowed:
+                self._window_pairs: tuple[torch.Tensor, ...] | None = None  # built at the first chunk swap
+                self._window_mask = torch.zeros(n_seg, dtype=torch.bool, device=dev)
+                self._window_dev = torch.as_tensor(self._window_table, device=dev)
+                self._rec["window"] = torch.zeros(n_steps, n_seg, dtype=torch.bool, device=dev)
+                if store.kernels == "triton":
+                    warnings.warn("WnW: method.fixed_window runs the chunk swap with the PyTorch kernels (the "
+                                  "one-launch Triton swap has no window)", stacklevel=2)
+            elif store.kernels == "triton":
                 from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
 
                 self._fused_swap = FusedChunkSwap(self.device_swap, self._rec, self._t, self.n_s, self.n_c,
@@ -274,7 +306,7 @@ class WnW(Policy):
         key = (ctx.n_audio, ctx.retention, ctx.token_rate, ctx.group, mobility, self.importance.tobytes(),
                self.n_voice_cfg, self.n_anchor_cfg, self.lam_cfg, self.tolerance, self.signal, self.selection,
                self.chunk_seconds, self.stride_seconds, self.top_k, self.delta, self.recall_budget, self.quota,
-               self.head_scale)
+               self.head_scale, self.fixed_window)
         solution = self._solutions.get(key)
         if solution is None:
             solution = self._solutions[key] = self._solve(ctx, *mobility)
@@ -289,10 +321,13 @@ class WnW(Policy):
         # Segments a tidal head may hold recalled at once (see `recall_headroom`).
         peak_segments = triage.peak_recalled_segments(ctx.n_audio, n_s, n_c, self.top_k, self.delta)
         n_a = ctx.n_audio
+        # `fixed_window`: a fixed head holds its window's segments, and on a store that releases lazily the window it
+        # left for one more step: room for twice the window (capped at the segment count)
+        window_room = min(math.ceil(n_a / n_s), 2 * self.fixed_window) if n_a else 0
         if self.recall_budget == "peak" and self.lam_cfg in (None, "auto"):
             # the tidal heads' recall room must fit beside the anchors even at lambda = 0 (short clips, low targets)
             roles = triage.demote_tidal(self.importance, roles, n_a, n_s, peak_segments, ctx.retention,
-                                        self.selection, self.quota)
+                                        self.selection, self.quota, window_room)
         n_demoted = int((self.triage_for(ctx.retention)[0] == triage.TIDAL).sum() - (roles == triage.TIDAL).sum())
         if self.recall_budget != "none":
             expected_resident = triage.expected_resident_segments(n_a, n_s, n_c, self.top_k, self.delta, mobility)
@@ -304,23 +339,25 @@ class WnW(Policy):
             lam = float(self.lam_cfg)
         elif self.recall_budget == "peak":
             lam = triage.solve_peak_lambda(s_tilde, roles, n_a, n_s, ctx.retention, peak_segments, self.selection,
-                                           self.quota).lam
+                                           self.quota, window_segments=window_room).lam
         else:
             lam = triage.solve_lambda(s_tilde, roles, n_a, n_s, ctx.retention, self.tolerance,
                                       resident_fraction=resident_fraction, quota=self.quota).lam
         retention = triage.retentions(s_tilde, roles, lam)
+        window = (roles == triage.FIXED) & (retention < 1.0) & (self.fixed_window > 0)  # the heads with a window
         g = ctx.group
         anchor_q = {li: [int(k) * g + j for k in np.flatnonzero(roles[li] == triage.ANCHOR) for j in range(g)]
                     for li in range(ctx.n_layers)}
-        for x in (roles, retention):
+        for x in (roles, retention, window):
             x.flags.writeable = False  # shared by every stream of this key
         return dict(n_voice=n_voice, n_anchor=n_anchor, n_c=n_c, n_s=n_s, peak_segments=peak_segments, roles=roles,
+                    window=window, window_room=window_room,
                     n_demoted=n_demoted, mobility=mobility, mobility_source=mobility_source,
                     expected_resident=expected_resident, lam=lam, retention=retention,
                     prefill_r_gpu=triage.prefill_r_gpu(retention, roles, n_a, n_s, self.quota),
                     expected_r_gpu=triage.expected_r_gpu(retention, roles, n_a, n_s, resident_fraction, self.quota),
                     peak_r_gpu=triage.peak_r_gpu(retention, roles, n_a, n_s, peak_segments, self.selection,
-                                                 self.quota),
+                                                 self.quota, window_room),
                     anchor_q=anchor_q, has_anchors=any(anchor_q.values()),
                     tidal=[(int(li), int(k)) for li, k in zip(*np.nonzero(roles == triage.TIDAL))], _plans={})
 
@@ -333,10 +370,11 @@ class WnW(Policy):
         for every other head. Exact for any selection (segment or global). The packed store raises if a
         recall would ever exceed it. Read after `place` has run on every layer."""
         room = np.zeros(self.ctx.n_layers * self.ctx.n_kv_heads, np.int64)
-        rows, counts, pos = self._host_tier()
-        n_seg, m = len(self.swap.segments), len(rows)
-        per_seg = np.bincount(np.repeat(np.arange(m), counts) * n_seg + pos // self.n_s, minlength=m * n_seg)
-        room[rows] = np.sort(per_seg.reshape(m, n_seg), axis=1)[:, ::-1][:, : self.peak_segments].sum(axis=1)
+        for window, segments in ((False, self.peak_segments), (True, self.window_room)):
+            rows, counts, pos = self._host_tier(window)
+            n_seg, m = len(self.swap.segments), len(rows)
+            per_seg = np.bincount(np.repeat(np.arange(m), counts) * n_seg + pos // self.n_s, minlength=m * n_seg)
+            room[rows] = np.sort(per_seg.reshape(m, n_seg), axis=1)[:, ::-1][:, :segments].sum(axis=1)
         return room
 
     def _mobility(self) -> tuple[float, str]:
@@ -393,7 +431,7 @@ class WnW(Policy):
         if plan is None:
             quotas, block = triage.block_quotas(self.retention, n_a, self.n_s, self.selection, self.quota)
             placed = (self.roles != triage.ANCHOR) & (self.retention < 1.0)
-            tidal = placed & (self.roles == triage.TIDAL)
+            tidal = placed & ((self.roles == triage.TIDAL) | self.window)  # the heads that offload (a window's too)
             table = self._to_device(np.concatenate([quotas, placed[..., None], tidal[..., None]], axis=-1))
             layers = range(self.ctx.n_layers)
             anchor_q = np.array([q for li in layers for q in self.anchor_q[li]], np.int64)
@@ -424,9 +462,11 @@ class WnW(Policy):
             self._unread = []
         return self._offloaded
 
-    def _host_tier(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`offloaded` as arrays: each tidal head's row (l * H_kv + h) and host-tier count, and every position."""
-        off, H = self.offloaded, self.ctx.n_kv_heads
+    def _host_tier(self, window: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`offloaded` as arrays: each tidal head's row (l * H_kv + h) and host-tier count, and every position (with
+        `window`: the fixed heads' of `fixed_window` instead)."""
+        H = self.ctx.n_kv_heads
+        off = {h: p for h, p in self.offloaded.items() if (h in self._window_rows) == window}
         rows = np.array([li * H + k for li, k in off], np.int64)
         counts = np.array([len(c) for c in off.values()], np.int64)
         pos = torch.cat(list(off.values())).numpy() if off else np.zeros(0, np.int64)
@@ -472,6 +512,12 @@ class WnW(Policy):
             moves, self._held = self._held, moves
         self._move(moves[0], recall=True)
         self._move(moves[1], recall=False)
+        if self.windowed:  # the fixed heads' window follows the anchors' focus chunk, no hysteresis
+            now = np.flatnonzero(self._window_table[self.swap.focus]).tolist()
+            self._move(sorted(set(now) - set(self._window_at)), recall=True, window=True)
+            self._move(sorted(set(self._window_at) - set(now)), recall=False, window=True)
+            self._window_at = now
+            self._trace["window_segments"].append(now)
         self._trace["selected_chunks"].append(selected)
         self._trace["recalled_segments"].append(recall)
         self._trace["released_segments"].append(release)
@@ -494,8 +540,14 @@ class WnW(Policy):
             selected, recall, release = self.device_swap.step(self.scores_acc)
             self.scores_acc.zero_()
             t = self._t.view(1)
-            for name, x in (("selected", selected), ("recall", recall), ("release", release),
-                            ("resident", self.device_swap.recalled.sum())):
+            records = [("selected", selected), ("recall", recall), ("release", release),
+                       ("resident", self.device_swap.recalled.sum())]
+            if self.windowed:  # the fixed heads' window follows the anchors' focus chunk (as on the host)
+                now = self._window_dev[self.device_swap.top[0]]
+                self._queue(now & ~self._window_mask, self._window_mask & ~now, window=True)
+                self._window_mask.copy_(now)
+                records.append(("window", now))
+            for name, x in records:
                 self._rec[name].index_copy_(0, t, x.view(1, *x.shape))
             self._t += 1
         if self.lag == 2:  # queue the previous decision, keep this one for the next step
@@ -505,18 +557,22 @@ class WnW(Policy):
             held_rel.copy_(now[1])
         self._queue(recall, release)
 
-    def _host_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _host_pairs(self, window: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every tidal head's host-tier (row, position) pairs and their segments, int64 device tensors (made at the
-        first chunk swap, an eager one)."""
-        if self._pairs is None:
-            rows, counts, pos = self._host_tier()
+        first chunk swap, an eager one); with `window` the fixed heads' of `fixed_window`."""
+        if (self._window_pairs if window else self._pairs) is None:
+            rows, counts, pos = self._host_tier(window)
             dev = self.ctx.device
             pos = torch.from_numpy(pos).to(dev)
-            self._pairs = torch.from_numpy(np.repeat(rows, counts)).to(dev), pos, pos // self.n_s
-        return self._pairs
+            pairs = torch.from_numpy(np.repeat(rows, counts)).to(dev), pos, pos // self.n_s
+            if window:
+                self._window_pairs = pairs
+            else:
+                self._pairs = pairs
+        return self._window_pairs if window else self._pairs
 
-    def _queue(self, recall: torch.Tensor, release: torch.Tensor) -> None:
-        rows, pos, seg = self._host_pairs()
+    def _queue(self, recall: torch.Tensor, release: torch.Tensor, window: bool = False) -> None:
+        rows, pos, seg = self._host_pairs(window)
         if len(pos):  # both queues, chosen per segment (one launch inside a capture)
             self.store.queue_segments(rows, pos, seg, recall, release)
 
@@ -574,18 +630,19 @@ class WnW(Policy):
         if together:
             cls._swap_tables(together, held)
 
-    def _move(self, segs: list[int], recall: bool) -> None:
-        """Recall or release segments `segs`' host-tier positions on every tidal head, in one store call (the
-        segments are disjoint, so one call queues exactly what one call per segment, in order, would)."""
+    def _move(self, segs: list[int], recall: bool, window: bool = False) -> None:
+        """Recall or release segments `segs`' host-tier positions on every tidal head (with `window`: every fixed
+        head of `fixed_window`), in one store call (the segments are disjoint, so one call queues exactly what one
+        call per segment, in order, would)."""
         if not segs:
             return
-        if self._host_index is None:  # (rows, positions) of every tidal head's host tier, by position
-            rows, counts, pos = self._host_tier()
+        if window not in self._host_index:  # (rows, positions) of the heads' host tiers, by position
+            rows, counts, pos = self._host_tier(window)
             rows = np.repeat(rows, counts)
             order = np.argsort(pos, kind="stable")
             starts = np.array([b for b, _ in self.swap.segments] + [self.ctx.n_audio], np.int64)
-            self._host_index = rows[order], pos[order], np.searchsorted(pos[order], starts)
-        rows, pos, seg_at = self._host_index
+            self._host_index[window] = rows[order], pos[order], np.searchsorted(pos[order], starts)
+        rows, pos, seg_at = self._host_index[window]
         lo, hi = seg_at[segs], seg_at[np.asarray(segs) + 1]
         if len(segs) == 1 or (lo[1:] == hi[:-1]).all():  # adjacent segments: one slice
             sl = slice(lo[0], hi[-1])
@@ -605,7 +662,9 @@ class WnW(Policy):
                     n_tidal=len(self.tidal), signal=self.signal, selection=self.selection, n_s=self.n_s,
                     n_c=self.n_c, top_k=self.top_k, delta=self.delta, quota=self.quota, swap_start=self.swap_start,
                     head_scale=self.head_scale,
-                    head_scores=self.scores.path, **({"lag": self.lag} if self.lag != 1 else {}))
+                    head_scores=self.scores.path, **({"lag": self.lag} if self.lag != 1 else {}),
+                    **({"fixed_window": self.fixed_window, "n_window": int(self.window.sum())}
+                       if self.fixed_window else {}))
 
     def trace(self) -> dict:
         if self.on_device:  # the decisions recorded on the device, as the host swap lists them
@@ -618,4 +677,6 @@ class WnW(Policy):
                                released_segments=lists(rec["release"]),
                                recalled_fraction=[r / n_seg if n_seg else 0.0 for r in resident],
                                resident_segments=resident)
+            if "window" in rec:
+                self._trace["window_segments"] = lists(rec["window"])
         return dict(wnw=self._trace, roles=self.roles.tolist(), retention=np.round(self.retention, 6).tolist())

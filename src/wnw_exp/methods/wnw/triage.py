@@ -251,57 +251,66 @@ def mobility_of(resident: float, n_audio: int, n_s: int, n_c: int, top_k: int, d
 
 
 def recall_room(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segments: int,
-                selection: str = "segment", quota: str = "floor") -> np.ndarray:
+                selection: str = "segment", quota: str = "floor", window_segments: int = 0) -> np.ndarray:
     """(L, H) the most positions each head can hold recalled at once when the chunk swap holds `segments` segments:
     for a tidal head the sum of its `segments` largest per-segment host-tier counts (a segment's length minus its
     prefill quota, `block_quotas`); 0 for anchors and fixed heads, which never recall. With `selection="global"`
     the prefill counts per segment depend on the scores, so the bound is the head's whole host tier or the
     `segments` longest segments, whichever is smaller. The store's recall room (`WnW.recall_headroom`) is the same
-    count read from the placed masks, never more than this."""
+    count read from the placed masks, never more than this. `window_segments` > 0 (`method.fixed_window`): every
+    fixed head with retention < 1 gets the same count for that many segments (its window's room)."""
     ret = np.asarray(ret, np.float64)
     room = np.zeros(ret.shape, np.int64)
     tidal = np.asarray(roles) == TIDAL
-    if n_audio <= 0 or segments <= 0 or not tidal.any():
+    window = (np.asarray(roles) == FIXED) & (ret < 1.0) if window_segments > 0 else np.zeros(ret.shape, bool)
+    if n_audio <= 0 or not (tidal.any() and segments > 0 or window.any()):
         return room
     bounds = np.array(segment_bounds(n_audio, n_s), np.int64).reshape(-1, 2)
     length = bounds[:, 1] - bounds[:, 0]
     if selection == "global":
         missing = n_audio - kept_counts(ret, n_audio, n_s, quota)
-        per_head = np.minimum(missing, np.sort(length)[::-1][:segments].sum())
+        longest = np.cumsum(np.sort(length)[::-1])
+        room_of = lambda k: np.minimum(missing, longest[min(k, len(longest)) - 1] if k > 0 else 0)  # noqa: E731
     else:
         quotas, _ = block_quotas(ret, n_audio, n_s, "segment", quota)
-        per_head = np.sort(length - quotas, axis=-1)[..., ::-1][..., :segments].sum(axis=-1)
-    room[tidal] = per_head[tidal]
+        by_size = np.sort(length - quotas, axis=-1)[..., ::-1]
+        room_of = lambda k: by_size[..., :k].sum(axis=-1)  # noqa: E731
+    room[tidal] = room_of(segments)[tidal]
+    room[window] = room_of(window_segments)[window]
     return room
 
 
 def peak_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segments: int, selection: str = "segment",
-               quota: str = "floor") -> float:
+               quota: str = "floor", window_segments: int = 0) -> float:
     """The most on-device audio r_GPU can reach at any decode step: the prefill footprint plus every tidal head's
-    `recall_room` for `segments` recalled segments (the chunk swap never holds more: `peak_recalled_segments`)."""
+    `recall_room` for `segments` recalled segments (the chunk swap never holds more: `peak_recalled_segments`), and
+    with `window_segments` every fixed head's window room (`method.fixed_window`)."""
     if n_audio == 0:
         return 1.0
-    room = recall_room(ret, roles, n_audio, n_s, segments, selection, quota)
+    room = recall_room(ret, roles, n_audio, n_s, segments, selection, quota, window_segments)
     return prefill_r_gpu(ret, roles, n_audio, n_s, quota) + int(room.sum()) / (np.size(roles) * n_audio)
 
 
 def demote_tidal(importance: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, segments: int, target: float,
-                 selection: str = "segment", quota: str = "floor") -> np.ndarray:
+                 selection: str = "segment", quota: str = "floor", window_segments: int = 0) -> np.ndarray:
     """Roles under which the peak r_GPU at lambda = 0 (anchors whole, every other head's prefill share 0, the tidal
     heads' recall room) fits `target`: the least important tidal heads become fixed heads, one at a time, until it
     does. A short clip whose every segment the swap can recall at once costs each tidal head its whole audio at the
-    peak, more than a low target leaves; on long clips nothing changes. Returns `roles` itself when it fits."""
+    peak, more than a low target leaves; on long clips nothing changes. Returns `roles` itself when it fits. With
+    `window_segments` a demoted head takes a fixed head's window room instead of its recall room."""
     zero = np.where(roles == ANCHOR, 1.0, 0.0)
-    if peak_r_gpu(zero, roles, n_audio, n_s, segments, selection, quota) <= target:
+    if peak_r_gpu(zero, roles, n_audio, n_s, segments, selection, quota, window_segments) <= target:
         return roles
     roles = roles.copy()
     flat, imp = roles.reshape(-1), np.asarray(importance, np.float64).reshape(-1)
     order = [i for i in np.argsort(imp, kind="stable") if flat[i] == TIDAL]  # least important first (ties: earlier)
-    # At lambda = 0 a fixed head keeps nothing, as a tidal head does: demoting one only takes its room off the peak
-    # (`peak_r_gpu` after each demotion, in the same arithmetic).
+    # At lambda = 0 a fixed head keeps nothing, as a tidal head does: demoting one only swaps its recall room for a
+    # fixed head's window room (0 without a window) on the peak (`peak_r_gpu` after each demotion, the same arithmetic).
     base = prefill_r_gpu(zero, roles, n_audio, n_s, quota)
-    room = recall_room(zero, roles, n_audio, n_s, segments, selection, quota).reshape(-1)
-    left = int(room.sum()) - np.cumsum(room[order])
+    room = recall_room(zero, roles, n_audio, n_s, segments, selection, quota, window_segments).reshape(-1)
+    as_fixed = np.where(roles == TIDAL, FIXED, roles)
+    window = recall_room(zero, as_fixed, n_audio, n_s, segments, selection, quota, window_segments).reshape(-1)
+    left = int(room.sum()) - np.cumsum(room[order] - window[order])
     fits = np.flatnonzero(base + left / (np.size(roles) * n_audio) <= target)
     flat[order[: fits[0] + 1 if fits.size else len(order)]] = FIXED
     return roles
@@ -335,7 +344,7 @@ def expected_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, r
 
 def solve_peak_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, target: float,
                       segments: int, selection: str = "segment", quota: str = "floor",
-                      iterations: int = 100) -> LambdaSolution:
+                      iterations: int = 100, window_segments: int = 0) -> LambdaSolution:
     """The largest lambda whose `peak_r_gpu` (prefill footprint plus the tidal heads' recall room for `segments`
     recalled segments, exact integer counts) is at most `target`: the r_GPU of every decode step then stays at or
     under the target. peak(lambda) is a non-decreasing step function (a position a tidal head keeps at prefill
@@ -347,14 +356,15 @@ def solve_peak_lambda(s_tilde: np.ndarray, roles: np.ndarray, n_audio: int, n_s:
     lam_max = 1.0 / positive.min() if positive.size else 1.0
 
     def r(lam: float) -> float:
-        return peak_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, segments, selection, quota)
+        return peak_r_gpu(retentions(s_tilde, roles, lam), roles, n_audio, n_s, segments, selection, quota,
+                          window_segments)
 
     r_low, r_high = r(0.0), r(lam_max)
     if r_low > target:
         n_anchor, n_tidal = int((roles == ANCHOR).sum()), int((roles == TIDAL).sum())
         raise TriageError(f"the {n_anchor} anchor heads and the recall room of {n_tidal} tidal heads alone reach "
-                          f"r_GPU = {r_low:.3f}, above the target {target}: lower n_anchor or n_voice (or raise the "
-                          "retention target)")
+                          f"r_GPU = {r_low:.3f}, above the target {target}: lower n_anchor or n_voice"
+                          f"{' or method.fixed_window' if window_segments else ''} (or raise the retention target)")
     if r_high <= target:
         return LambdaSolution(lam_max, r_high, True)
     lo, hi = 0.0, lam_max  # r(lo) <= target < r(hi)
@@ -519,6 +529,18 @@ def _stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def window_segments(chunk_segments: list[list[int]], n_seg: int, size: int) -> np.ndarray:
+    """(n_chunks, n_seg) bool: the `size` consecutive segments centred on each chunk (`method.fixed_window`), i.e.
+    starting (chunk length in segments - size) // 2 segments after the chunk's first one, shifted to lie inside
+    [0, n_seg) (every segment when size >= n_seg). Size 2 with 2-segment chunks is the chunk itself."""
+    table = np.zeros((len(chunk_segments), n_seg), bool)
+    size = min(size, n_seg)
+    for c, segs in enumerate(chunk_segments):
+        start = min(max(segs[0] + (len(segs) - size) // 2, 0), n_seg - size)
+        table[c, start:start + size] = True
+    return table
+
+
 def complement(positions: torch.Tensor, n: int) -> torch.Tensor:
     """Sorted positions of [0, n) not in `positions`."""
     keep = torch.ones(n, dtype=torch.bool, device=positions.device)
@@ -556,7 +578,9 @@ class ChunkSwap:
         np.cumsum(a, dtype=np.float64, out=c[1:])
         mean = (c[self._ends] - c[self._starts]) / (self._ends - self._starts)
         k = min(self.top_k, len(self.chunks))
-        return sorted(np.argsort(-mean, kind="stable")[:k].tolist())
+        order = np.argsort(-mean, kind="stable")[:k]
+        self.focus = int(order[0])  # the anchors' focus: the top chunk (`window_segments`)
+        return sorted(order.tolist())
 
     def update(self, selected_chunks: list[int]) -> tuple[list[int], list[int]]:
         wanted = sorted({s for c in selected_chunks for s in self.chunk_segments[c]})
@@ -611,7 +635,7 @@ class DeviceChunkSwap:
     def step(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         torch.cumsum(a.double(), 0, out=self._c[1:])
         mean = (self._c[self.ends] - self._c[self.starts]) / self.length
-        top = torch.sort(-mean, stable=True).indices[: self.k]
+        top = self.top = torch.sort(-mean, stable=True).indices[: self.k]  # top[0]: the anchors' focus chunk
         selected = torch.zeros(self.n_chunks, dtype=torch.bool, device=a.device).index_fill_(0, top, True)
         wanted = (self.member & selected[:, None]).any(dim=0)
         recall = wanted & ~self.recalled

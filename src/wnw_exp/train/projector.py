@@ -408,7 +408,8 @@ def train(args: argparse.Namespace) -> None:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     heldout = heldout_sets(tokenizer, extractor, device, args.heldout) if args.heldout else {}
     log_f = open(run / "train_log.jsonl", "a")
-    session = dict(started_step=meta["step"], args={**vars(args), "augment": args.augment and args.augment.to_json()}, start_time=time.strftime("%Y-%m-%d %H:%M:%S"),
+    session = dict(started_step=meta["step"], args={**vars(args), "augment": args.augment and args.augment.to_json()},
+                   start_time=time.strftime("%Y-%m-%d %H:%M:%S"),
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     n_train = sum(p.numel() for g in groups for p in g["params"])
     print(f"training {n_train / 1e6:.2f} M parameters (lora rank {lora_rank}) from step {meta['step']} for at most "
@@ -675,9 +676,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="dev clips (natural, and shuffled words) whose teacher-forced CE each log line has (0: none)")
     t.add_argument("--voices", default="six", type=_voices_arg,
                    help=f"a voice preset ({', '.join(voice_sets.PRESET_NAMES)}) or comma-separated voice names")
-    t.add_argument("--rate-range", default=None, type=_pair_arg, help="MIN,MAX words per minute (default: the preset's)")
+    t.add_argument("--rate-range", default=None, type=_pair_arg,
+                   help="MIN,MAX words per minute (default: the preset's)")
     t.add_argument("--texts", default=("natural",), type=_texts_arg,
-                   help=f"comma-separated text domains drawn per clip ({', '.join(t for t in TEXTS if t != 'shuffled')})")
+                   help="comma-separated text domains drawn per clip (natural, kjv, random)")
     t.add_argument("--augment", default=None, type=_augment_arg,
                    help="off, light (speed 0.9-1.1, gain +-6 dB, reverb p 0.3, noise p 0.5 at 15-40 dB SNR) or a JSON "
                         "object of wnw_exp.train.augment.Augment fields")

@@ -17,9 +17,8 @@ cannot unload it; that is detected (once, via /proc/self/maps) and reported by a
 Clip recipe (`synthesize_clip`), all draws from `numpy.random.default_rng([seed, index])`:
 voice uniform over `voices` (a list, or a preset of `wnw_exp.data.voices`), rate (words per minute) uniform
 over the integers of `rate_range`, target duration uniform in [min_seconds, max_seconds]; then sentences of 8-20
-words drawn uniformly
-(with replacement) from the vocabulary, each spoken as one utterance ending with a full stop,
-followed by a pause of 0.15-0.6 s, until the target duration is reached. A sentence whose words
+words drawn uniformly (with replacement) from the vocabulary, each spoken as one utterance ending with a full
+stop, followed by a pause of 0.15-0.6 s, until the target duration is reached. A sentence whose words
 cannot all be timed (see `_word_starts`) is discarded and another one drawn. If the last sentence
 overshoots `max_seconds`, its words that end after `max_seconds - 0.1 s` are dropped and the audio is
 cut 0.1 s after the last kept word (never into the next word); a clip shorter than `min_seconds`

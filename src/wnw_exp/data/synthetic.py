@@ -15,14 +15,16 @@ wordfreq versions). If something else in the process has loaded the same library
 cannot unload it; that is detected (once, via /proc/self/maps) and reported by a RuntimeWarning.
 
 Clip recipe (`synthesize_clip`), all draws from `numpy.random.default_rng([seed, index])`:
-voice uniform over `voices`, rate (words per minute) uniform over the integers of `rate_range`,
-target duration uniform in [min_seconds, max_seconds]; then sentences of 8-20 words drawn uniformly
-(with replacement) from the vocabulary, each spoken as one utterance ending with a full stop,
-followed by a pause of 0.15-0.6 s, until the target duration is reached. A sentence whose words
+voice uniform over `voices` (a list, or a preset of `wnw_exp.data.voices`), rate (words per minute) uniform
+over the integers of `rate_range`, target duration uniform in [min_seconds, max_seconds]; then sentences of 8-20
+words drawn uniformly (with replacement) from the vocabulary, each spoken as one utterance ending with a full
+stop, followed by a pause of 0.15-0.6 s, until the target duration is reached. A sentence whose words
 cannot all be timed (see `_word_starts`) is discarded and another one drawn. If the last sentence
 overshoots `max_seconds`, its words that end after `max_seconds - 0.1 s` are dropped and the audio is
 cut 0.1 s after the last kept word (never into the next word); a clip shorter than `min_seconds`
-after that is padded with silence.
+after that is padded with silence. A neural voice (`piper:<voice>`, `wnw_exp.data.piper_voices`) speaks the same
+sentences; it gives no word timings, so each word of its clips carries its sentence's span, the cut keeps whole
+sentences, and `SyntheticDataset` samples of such clips have `words=None`.
 
 Word timing rule. Within one sentence, word i owns the slot [event_i, event_{i+1}) (the last word:
 [event_i, end of the sentence's audio)). Its start and end are the first and one-past-the-last
@@ -63,18 +65,16 @@ import soxr
 from wnw_exp.paths import cache_root
 from wnw_exp.vocabulary import DEFAULT_VOCAB_SIZE, vocabulary
 
+from . import piper_voices, voices as voice_sets
 from .base import SAMPLE_RATE, Sample, Word
 from .dataset import select
 
-DEFAULT_VOICES: dict[str, tuple[str, ...]] = {
-    # espeak-ng "<voice file>+<variant>" names ("en" is British English; "en-gb" is not a voice name),
-    # all checked to exist in the bundled data. Measured median F0: en-us/en+m3 ~105 Hz, m8 ~87 Hz,
-    # f4 ~182 Hz, f2 ~200 Hz, f5 ~208 Hz; with several accents (US, British, RP, Scottish; French
-    # of France, Belgium, Switzerland) the clips differ in pitch, formants and pronunciation.
-    "en": ("en-us", "en+m3", "en-us+f2", "en-gb-x-rp+f4", "en-us+m8", "en-gb-scotland+f5"),
-    "fr": ("fr", "fr+m3", "fr+f2", "fr-be+f4", "fr+m8", "fr-ch+f5"),
-}
-DEFAULT_RATE_RANGE = (150, 200)
+# espeak-ng "<voice file>+<variant>" names ("en" is British English; "en-gb" is not a voice name), all checked to
+# exist in the bundled data (the `six` preset). Measured median F0: en-us/en+m3 ~105 Hz, m8 ~87 Hz, f4 ~182 Hz,
+# f2 ~200 Hz, f5 ~208 Hz; with several accents (US, British, RP, Scottish; French of France, Belgium,
+# Switzerland) the clips differ in pitch, formants and pronunciation.
+DEFAULT_VOICES: dict[str, tuple[str, ...]] = voice_sets.SIX
+DEFAULT_RATE_RANGE = voice_sets.SIX_RATES
 SENTENCE_WORDS = (8, 20)  # inclusive range of words per synthesised sentence
 PAUSE_SECONDS = (0.15, 0.6)  # silence appended after each sentence
 CUT_MARGIN_SECONDS = 0.1
@@ -278,10 +278,10 @@ def synthesize_clip(
     *,
     language: str = "en",
     vocab_size: int = DEFAULT_VOCAB_SIZE,
-    voices: Sequence[str] | None = None,
+    voices: str | Sequence[str] | None = None,
     min_seconds: float = 50.0,
     max_seconds: float = 70.0,
-    rate_range: tuple[int, int] = DEFAULT_RATE_RANGE,
+    rate_range: tuple[int, int] | None = None,
     text: str = "random",
     text_split: str | None = None,
 ) -> tuple[np.ndarray, list[Word]]:
@@ -290,11 +290,13 @@ def synthesize_clip(
     Deterministic in all its arguments (see the module docstring for the recipe). `text="natural"` speaks
     consecutive sentences of the natural-text corpus's `text_split` passages (English only), from a passage
     drawn with the clip's generator, instead of random vocabulary words; `text="shuffled"` the same sentences
-    with each one's words in a random order.
+    with each one's words in a random order; `text="kjv"` the King James Bible's chapters (`wnw_exp.data.kjv`).
+    `voices` and `rate_range` default to the six voices and their rates (a preset name brings its own rates).
     """
     if not 0 < min_seconds <= max_seconds:
         raise ValueError(f"need 0 < min_seconds <= max_seconds, got {min_seconds}, {max_seconds}")
-    voices = tuple(voices) if voices else DEFAULT_VOICES[language]
+    voices, preset_rates = voice_sets.resolve(voices, language)
+    rate_range = tuple(rate_range) if rate_range else (preset_rates or DEFAULT_RATE_RANGE)
     rng = np.random.default_rng([int(seed), int(index)])
     voice = voices[int(rng.integers(len(voices)))]
     rate = int(rng.integers(rate_range[0], rate_range[1] + 1))
@@ -304,22 +306,31 @@ def synthesize_clip(
     pieces: list[np.ndarray] = []
     spans: list[tuple[str, int, int]] = []  # word, start, end in samples at 22,050 Hz
     total = 0
-    with _lock, _Espeak() as espeak:
-        espeak.set_voice(voice, rate)
-        rejected = 0
-        while total < target * _ESPEAK_RATE:
+    if piper_voices.is_neural(voice):
+        while total < target * _ESPEAK_RATE:  # Piper's rate is espeak's: 22,050 Hz
             words = next(sentences)
-            try:
-                audio, word_spans = espeak.speak(words)
-            except UnalignedSentence:
-                rejected += 1  # random words: roughly 1 sentence in 500-5000, natural text more: take the next
-                if rejected > 100:
-                    raise
-                continue
+            audio = piper_voices.speak(voice, words, rate)
             pause = np.zeros(int(rng.uniform(*PAUSE_SECONDS) * _ESPEAK_RATE), np.int16)
-            spans += [(w, total + s, total + e) for w, (s, e) in zip(words, word_spans)]
+            spans += [(w, total, total + len(audio)) for w in words]  # no word timings: the sentence's span
             pieces += [audio, pause]
             total += len(audio) + len(pause)
+    else:
+        with _lock, _Espeak() as espeak:
+            espeak.set_voice(voice, rate)
+            rejected = 0
+            while total < target * _ESPEAK_RATE:
+                words = next(sentences)
+                try:
+                    audio, word_spans = espeak.speak(words)
+                except UnalignedSentence:
+                    rejected += 1  # random words: roughly 1 sentence in 500-5000, natural text more: take the next
+                    if rejected > 100:
+                        raise
+                    continue
+                pause = np.zeros(int(rng.uniform(*PAUSE_SECONDS) * _ESPEAK_RATE), np.int16)
+                spans += [(w, total + s, total + e) for w, (s, e) in zip(words, word_spans)]
+                pieces += [audio, pause]
+                total += len(audio) + len(pause)
     audio = np.concatenate(pieces)
 
     limit = int(max_seconds * _ESPEAK_RATE)
@@ -343,7 +354,13 @@ def synthesize_clip(
     return audio16, words_out
 
 
-TEXTS = ("random", "natural", "shuffled")
+TEXTS = ("random", "natural", "shuffled", "kjv")
+
+
+def clip_voice(seed: int, index: int, voices: str | Sequence[str] | None = None, language: str = "en") -> str:
+    """The voice `synthesize_clip(seed, index, voices=voices)` speaks with (its first draw)."""
+    names, _ = voice_sets.resolve(voices, language)
+    return names[int(np.random.default_rng([int(seed), int(index)]).integers(len(names)))]
 
 
 def _sentence_source(text: str, text_split: str | None, language: str, vocab_size: int,
@@ -354,11 +371,14 @@ def _sentence_source(text: str, text_split: str | None, language: str, vocab_siz
         while True:
             n_words = int(rng.integers(SENTENCE_WORDS[0], SENTENCE_WORDS[1] + 1))
             yield [vocab[k] for k in rng.integers(len(vocab), size=n_words)]
-    if text not in ("natural", "shuffled"):
+    if text not in TEXTS:
         raise ValueError(f"synthetic text={text!r}: choose one of {', '.join(TEXTS)}")
     if language != "en":
-        raise ValueError("natural text is English only: use dataset.language=en or dataset.text=random")
-    from wnw_exp.data.natural_text import split_sentences
+        raise ValueError(f"{text} text is English only: use dataset.language=en or dataset.text=random")
+    if text == "kjv":
+        from wnw_exp.data.kjv import split_sentences
+    else:
+        from wnw_exp.data.natural_text import split_sentences
 
     passages = split_sentences(text_split or "test")
     p = int(rng.integers(len(passages)))
@@ -396,15 +416,16 @@ class SyntheticDataset:
     seed: int = 0
     min_seconds: float = 50.0
     max_seconds: float = 70.0
-    voices: Sequence[str] | None = None
-    rate_range: tuple[int, int] = DEFAULT_RATE_RANGE
+    voices: str | Sequence[str] | None = None  # a list of voice names or a preset (`wnw_exp.data.voices`)
+    rate_range: tuple[int, int] | None = None  # None: the preset's (150-200 wpm for the six voices)
     language: str = "en"
     vocab_size: int | None = DEFAULT_VOCAB_SIZE  # None: DEFAULT_VOCAB_SIZE
     cache_dir: str | os.PathLike | None = None
     cache: bool | None = None
     shard: int = 0
     num_shards: int = 1
-    text: str = "random"  # random (vocabulary words) | natural (the natural-text corpus of the same split)
+    text: str = "random"  # random (vocabulary words) | natural | shuffled (the natural-text corpus of the same
+    # split) | kjv (the King James Bible's chapters of the same split)
     name: str = "synthetic"
 
     def __post_init__(self) -> None:
@@ -412,13 +433,19 @@ class SyntheticDataset:
             raise ValueError(f"synthetic split must be one of {sorted(SPLIT_SEED_BASE)}, got {self.split!r}")
         if self.split != "train" and not 0 <= self.seed < 100_000:
             raise ValueError(f"synthetic seed must be in [0, 100000) for split {self.split!r}, got {self.seed}")
-        if self.language not in DEFAULT_VOICES and not self.voices:
-            raise ValueError(f"no default voices for language {self.language!r}: pass dataset.voices")
-        self.voices = tuple(self.voices) if self.voices else DEFAULT_VOICES[self.language]
+        self.voices, preset_rates = voice_sets.resolve(self.voices, self.language)
         self.vocab_size = int(self.vocab_size or DEFAULT_VOCAB_SIZE)
         if self.text not in TEXTS:
             raise ValueError(f"dataset.text={self.text!r}: choose one of {', '.join(TEXTS)}")
-        self.rate_range = tuple(self.rate_range)
+        self.rate_range = tuple(self.rate_range) if self.rate_range else (preset_rates or DEFAULT_RATE_RANGE)
+        piper_voices.check(self.voices)  # missing optional packages: one line now, not an error per clip
+        if self.text == "kjv":
+            from .kjv import database
+
+            database()
+        if len(self.rate_range) != 2 or not 0 < self.rate_range[0] <= self.rate_range[1]:
+            raise ValueError(f"dataset.rate_range={list(self.rate_range)}: give [min, max] words per minute, "
+                             "0 < min <= max")
         if self.cache is None:
             self.cache = self.split != "train"
         self.cache_dir = Path(self.cache_dir).expanduser() if self.cache_dir else cache_root() / "synthetic"
@@ -448,25 +475,26 @@ class SyntheticDataset:
         index = self.indices[i]
         params = self._clip_params(index)
         sample_id = self._id(index)
+        timed = not piper_voices.is_neural(clip_voice(params["seed"], index, self.voices))
         if not self.cache:
             audio, words = synthesize_clip(**params)
-            return self._sample(sample_id, lambda: audio, len(audio) / SAMPLE_RATE, words)
+            return self._sample(sample_id, lambda: audio, len(audio) / SAMPLE_RATE, words, timed)
         flac, meta = self._paths(params)
         if not (flac.exists() and meta.exists()):
             audio, words = synthesize_clip(**params)
             _write_clip(flac, meta, audio, words, params)
         info = json.loads(meta.read_text())
         words = [Word(*w) for w in info["words"]]
-        return self._sample(sample_id, lambda: _read_clip(flac), info["duration"], words)
+        return self._sample(sample_id, lambda: _read_clip(flac), info["duration"], words, timed)
 
-    def _sample(self, sample_id: str, load, duration: float, words: list[Word]) -> Sample:
+    def _sample(self, sample_id: str, load, duration: float, words: list[Word], timed: bool = True) -> Sample:
         return Sample(
             id=sample_id,
             load_audio=load,
             duration=duration,
             reference=" ".join(w.text for w in words),
             language=self.language,
-            words=words,
+            words=words if timed else None,  # a neural voice's clip has sentence spans only
         )
 
     def _clip_params(self, index: int) -> dict:
@@ -484,7 +512,9 @@ class SyntheticDataset:
         )
 
     def _paths(self, params: dict) -> tuple[Path, Path]:
-        key_src = json.dumps({**params, "version": SYNTH_VERSION, "espeak": espeak_version()}, sort_keys=True)
+        neural = piper_voices.versions(params["voices"])  # only when a neural voice is in the list: older keys stay
+        key_src = json.dumps({**params, "version": SYNTH_VERSION, "espeak": espeak_version(),
+                              **({"neural": neural} if neural else {})}, sort_keys=True)
         key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
         base = Path(self.cache_dir) / key[:2] / key
         return base.with_suffix(".flac"), base.with_suffix(".json")

@@ -9,6 +9,9 @@ the WER too high; they ship as `lora.safetensors` and are merged into the weight
 Data: natural-text synthetic speech (`synthesize_clip(text="natural", text_split="train")`: the train
 subjects of the SmolLM2-written corpus, never a test, dev or calibration subject; the six English voices;
 150-200 wpm), synthesised on the fly by DataLoader workers from the training seeds (1,000,000 + seed).
+`--voices train_wide` (a preset of `wnw_exp.data.voices`, or comma-separated voice names) widens the voices and
+rates, `--texts` mixes text domains (drawn per clip), `--augment light` adds speed, loudness, reverb and noise
+variation (`wnw_exp.train.augment`); the defaults are the recipe of the shipped weights.
 A batch holds whole 30 s windows up to `--batch-windows`. The loss is the cross-entropy of the answer
 tokens (the transcript and `<|im_end|>`) given SmolLM2's chat prompt with the audio in the user turn,
 exactly the prompt `wnw-run` builds (`voxtral.chat_prompt_ids`).
@@ -19,6 +22,8 @@ and elapsed / `--minutes`, so a time-limited session on a machine of unknown spe
 resumes from `RUN_DIR/state.pt` (the trained weights and the optimizer); its schedule starts again.
 
     wnw-train-projector train --run-dir RUN --minutes 6 --total-steps 2000 --workers 14 [--lora-rank 16]
+    wnw-train-projector train --run-dir RUN --init-from src/wnw_exp/backbones/whisper_smollm2 --voices train_wide \
+        --augment light ...   # the wide mixture, continuing from the shipped weights
     wnw-train-projector eval --run-dir RUN --n 20 --split dev --min-seconds 120 --max-seconds 240
     wnw-train-projector export --run-dir RUN --out src/wnw_exp/backbones/whisper_smollm2
 """
@@ -44,8 +49,12 @@ from wnw_exp.backbones.audio_windows import device_features
 from wnw_exp.backbones.voxtral import chat_prompt_ids
 from wnw_exp.backbones.whisper_smollm2 import TRAINED_DIR, assemble
 from wnw_exp.data.base import SAMPLE_RATE
-from wnw_exp.data.synthetic import DEFAULT_VOICES, SPLIT_SEED_BASE, synthesize_clip
+from wnw_exp.data import piper_voices
+from wnw_exp.data import voices as voice_sets
+from wnw_exp.data.synthetic import (DEFAULT_RATE_RANGE, DEFAULT_VOICES, SPLIT_SEED_BASE, TEXTS, clip_voice,
+                                    synthesize_clip)
 from wnw_exp.train import write_log
+from wnw_exp.train.augment import Augment, augment
 
 WINDOW_SAMPLES = 30 * SAMPLE_RATE
 TOKENS_PER_WINDOW = 375
@@ -81,18 +90,41 @@ class NaturalClips(IterableDataset):
     """Endless batches of training clips; worker w synthesises clip indices first_index + w, + n_workers, ...
 
     `progress` (a shared multiprocessing.Value, 0 -> 1) is the session's progress; it picks the stage's clip
-    lengths. A fraction `shuffle` of the clips (drawn per clip index) speak their sentences with the words in a
-    random order (`text="shuffled"`), which the decoder cannot complete from its own language model."""
+    lengths. A fraction `shuffle` of the natural-text clips (drawn per clip index) speak their sentences with the
+    words in a random order (`text="shuffled"`), which the decoder cannot complete from its own language model.
+    `voices` (a preset name or names) and `rate_range` (None: the preset's) pick the speakers, `texts` the text
+    domains (one drawn per clip when there are several), `augment` an `Augment` recipe (None: off)."""
 
     def __init__(self, tokenizer, seed: int, first_index: int, progress, stages, batch_windows: int,
-                 shuffle: float = 0.0):
+                 shuffle: float = 0.0, voices="six", rate_range=None, texts=("natural",),
+                 augment: Augment | None = None):
         self.tokenizer, self.seed, self.first_index, self.progress = tokenizer, seed, first_index, progress
         self.stages, self.batch_windows, self.shuffle = stages, batch_windows, shuffle
+        self.voices, preset_rates = voice_sets.resolve(voices, "en")
+        self.rate_range = tuple(rate_range) if rate_range else (preset_rates or DEFAULT_RATE_RANGE)
+        self.texts, self.augment = tuple(texts), augment
+        piper_voices.check(self.voices)  # missing packages fail here: the loop below skips clips that raise
+        if "kjv" in self.texts:
+            from wnw_exp.data.kjv import database
+
+            database()
 
     def text_of(self, index: int) -> str:
-        if self.shuffle <= 0:
-            return "natural"
+        base = self.texts[0]
+        if len(self.texts) > 1:
+            base = self.texts[int(np.random.default_rng([TRAIN_SEED + self.seed, index, 4]).integers(len(self.texts)))]
+        if self.shuffle <= 0 or base != "natural":
+            return base
         return "shuffled" if np.random.default_rng([TRAIN_SEED + self.seed, index, 1]).random() < self.shuffle else "natural"
+
+    def clip(self, index: int, lo: float, hi: float):
+        """Training clip `index` (audio, words, whether its words are timed) of `lo`-`hi` seconds, augmented."""
+        seed = TRAIN_SEED + self.seed
+        audio, words = synthesize_clip(seed, index, text=self.text_of(index), text_split="train", voices=self.voices,
+                                       rate_range=self.rate_range, min_seconds=lo, max_seconds=hi)
+        if self.augment is not None:
+            audio, words = augment(audio, words, self.augment, np.random.default_rng([seed, index, 3]))
+        return audio, words, not piper_voices.is_neural(clip_voice(seed, index, self.voices))
 
     def __iter__(self):
         info = get_worker_info()
@@ -103,9 +135,7 @@ class NaturalClips(IterableDataset):
             windows, answers, frame_targets, used = [], [], [], 0
             while used < self.batch_windows:
                 try:
-                    audio, words = synthesize_clip(TRAIN_SEED + self.seed, index, text=self.text_of(index),
-                                                   text_split="train",
-                                                   voices=VOICES, min_seconds=lo, max_seconds=hi)
+                    audio, words, timed = self.clip(index, lo, hi)
                 except RuntimeError:  # espeak could not time a run of sentences: skip that clip
                     index += nw
                     continue
@@ -115,6 +145,8 @@ class NaturalClips(IterableDataset):
                     break
                 text = " ".join(x.text for x in words)
                 ids, frames = answer_and_frame_targets(self.tokenizer, words, len(w) * TOKENS_PER_WINDOW)
+                if not timed:  # a neural voice: its words carry sentence spans, no frame targets
+                    frames[:] = -100
                 windows.append(w)
                 answers.append(ids)
                 frame_targets.append(frames)
@@ -373,14 +405,16 @@ def train(args: argparse.Namespace) -> None:
     step, first_step = meta["step"], meta["step"]
     progress = mp.Value("d", 0.0)
     stream = NaturalClips(tokenizer, args.seed, meta["next_index"], progress, stages, args.batch_windows,
-                          shuffle=args.shuffle_words)
+                          shuffle=args.shuffle_words, voices=args.voices, rate_range=args.rate_range,
+                          texts=args.texts, augment=args.augment)
     loader = DataLoader(stream, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda",
                         prefetch_factor=4 if args.workers else None)
     extractor = WhisperFeatureExtractor(feature_size=80)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     heldout = heldout_sets(tokenizer, extractor, device, args.heldout) if args.heldout else {}
     log_f = open(run / "train_log.jsonl", "a")
-    session = dict(started_step=meta["step"], args=vars(args), start_time=time.strftime("%Y-%m-%d %H:%M:%S"),
+    session = dict(started_step=meta["step"], args={**vars(args), "augment": args.augment and args.augment.to_json()},
+                   start_time=time.strftime("%Y-%m-%d %H:%M:%S"),
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     n_train = sum(p.numel() for g in groups for p in g["params"])
     print(f"training {n_train / 1e6:.2f} M parameters (lora rank {lora_rank}) from step {meta['step']} for at most "
@@ -586,6 +620,43 @@ def export(args: argparse.Namespace) -> None:
     print(f"exported step {meta['step']} to {out}")
 
 
+def _voices_arg(text: str):
+    value = text if text in voice_sets.PRESET_NAMES else tuple(v.strip() for v in text.split(",") if v.strip())
+    try:
+        voice_sets.resolve(value, "en")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("dataset.voices", "--voices")) from None
+    return value
+
+
+def _pair_arg(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give MIN,MAX words per minute, e.g. 120,230") from None
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < MIN <= MAX")
+    return lo, hi
+
+
+def _texts_arg(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in TEXTS or t == "shuffled"]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(t for t in TEXTS if t != 'shuffled')} "
+                                          "(shuffled words: --shuffle-words)")
+    return names
+
+
+def _augment_arg(text: str):
+    from wnw_exp.train.augment import parse
+
+    try:
+        return parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="wnw-train-projector", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -608,6 +679,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="share of the teacher-forced answer inputs replaced by another token of the answer (0: off)")
     t.add_argument("--heldout", type=int, default=8,
                    help="dev clips (natural, and shuffled words) whose teacher-forced CE each log line has (0: none)")
+    t.add_argument("--voices", default="six", type=_voices_arg,
+                   help=f"a voice preset ({', '.join(voice_sets.PRESET_NAMES)}) or comma-separated voice names")
+    t.add_argument("--rate-range", default=None, type=_pair_arg,
+                   help="MIN,MAX words per minute (default: the preset's)")
+    t.add_argument("--texts", default=("natural",), type=_texts_arg,
+                   help="comma-separated text domains drawn per clip (natural, kjv, random)")
+    t.add_argument("--augment", default=None, type=_augment_arg,
+                   help="off, light (speed 0.9-1.1, gain +-6 dB, reverb p 0.3, noise p 0.5 at 15-40 dB SNR) or a JSON "
+                        "object of wnw_exp.train.augment.Augment fields")
     t.add_argument("--init-from", default=None, help="a trained folder (projector.safetensors, lora.safetensors) "
                                                      "to start a fresh run from")
     t.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))

@@ -60,17 +60,6 @@ def test_where_how_fast_and_which_samples_leave_the_identity_alone(override):
     assert identity_hash(config("model=voxtral", override)) == identity_hash(config("model=voxtral"))
 
 
-def test_a_voice_preset_s_rates_written_out_are_the_same_run_as_null():
-    # rate_range: null means the preset's rates: the same clips as those rates written out, so the same run (and the
-    # run directories made when the default was [150, 200] are resumed); other rates, or another preset, are not
-    null = identity_hash(config("model=voxtral"))
-    assert identity_hash(config("model=voxtral", "dataset.rate_range=[150,200]")) == null
-    assert identity_hash(config("model=voxtral", "dataset.rate_range=[150,210]")) != null
-    wide = identity_hash(config("model=voxtral", "dataset.voices=train_wide"))
-    assert wide != null
-    assert identity_hash(config("model=voxtral", "dataset.voices=train_wide", "dataset.rate_range=[120,230]")) == wide
-
-
 def test_data_paths_are_in_the_identity_and_a_manifest_split_is_its_stem(tmp_path):
     a = config("dataset=manifest", "dataset.path=/data/a/set.jsonl")
     b = config("dataset=manifest", "dataset.path=/data/b/set.jsonl")

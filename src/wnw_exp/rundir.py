@@ -60,8 +60,6 @@ def identity(cfg: Mapping) -> dict:
         out["model_weights"] = fp
     if files := read_files(out):
         out["files"] = files
-    if isinstance(out.get("dataset"), dict):
-        _effective_rates(out["dataset"])
     for dotted in NOT_IDENTITY:
         *parents, leaf = dotted.split(".")
         node = out
@@ -70,20 +68,6 @@ def identity(cfg: Mapping) -> dict:
         if isinstance(node, dict):
             node.pop(leaf, None)
     return out
-
-
-def _effective_rates(data: dict) -> None:
-    """A synthetic data set's `rate_range: null` (its voice preset's rates) recorded as the rates it means, so that
-    null and the same rates written out are one run (a run made when the default was [150, 200] is resumed)."""
-    if data.get("name") != "synthetic" or data.get("rate_range") is not None:
-        return
-    from wnw_exp.data.voices import SIX_RATES, resolve
-
-    try:
-        _, rates = resolve(data.get("voices"), data.get("language") or "en")
-    except ValueError:  # a bad voice choice: the run refuses it with its own line
-        return
-    data["rate_range"] = list(rates or SIX_RATES)
 
 
 def read_files(cfg: Mapping) -> dict[str, str]:

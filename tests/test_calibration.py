@@ -223,3 +223,32 @@ def test_wnw_align_worker_round_trip_with_a_stub_whisperx(tmp_path):
     assert len(words) == len(sample.reference.split()) and all(w is not None for w in words)
     assert words[1].start == pytest.approx(sample.duration / len(words), abs=2e-3)
     assert prepare(cfg)[2] == 0  # resumable: nothing left to align
+
+
+def test_calibrate_refuses_to_overwrite_a_file_made_on_other_clips(tmp_path):
+    """The default folder names model, data set, split, n and alignment only: a calibration of other clips (here
+    other lengths) into it gets one line and exit 2 before any work; the same recipe, or another cache folder, may
+    recompute it."""
+    import subprocess
+    import sys
+
+    from wnw_exp.calibration.run import check_output_is_free
+
+    out = tmp_path / "cal" / "tiny_random" / "synthetic-calib-n50-oracle" / "head_scores.json"
+    out.parent.mkdir(parents=True)
+    made = dict(name="synthetic", split="calib", n=50, min_seconds=6.0, max_seconds=8.0, cache_dir="/a")
+    out.write_text(json.dumps(dict(model="tiny_random", calibration=dict(dataset=made, alignment=dict(name="oracle")))))
+    cfg = dict(model=dict(name="tiny_random"), dataset=dict(made), alignment=dict(name="oracle"))
+    check_output_is_free(out, cfg)
+    check_output_is_free(out, {**cfg, "dataset": {**made, "cache_dir": "/b", "voices": "six"}})  # a key the file lacks
+    with pytest.raises(ValueError, match=r"other data \(dataset.min_seconds=6.0 -> 3.0\): pass output=PATH"):
+        check_output_is_free(out, {**cfg, "dataset": {**made, "min_seconds": 3.0}})
+    with pytest.raises(ValueError, match=r"model tiny_random -> voxtral"):
+        check_output_is_free(out, {**cfg, "model": dict(name="voxtral")})
+    res = subprocess.run([sys.executable, "-m", "wnw_exp.cli.calibrate", f"calibration_root={tmp_path / 'cal'}",
+                          "dataset.min_seconds=7.0", "dataset.max_seconds=8.0"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [f"wnw-calibrate: error: {out} holds head scores calibrated on other data "
+                                       "(dataset.min_seconds=6.0 -> 7.0): pass output=PATH or calibration_root=DIR to "
+                                       "keep both, or delete the file to replace it"]

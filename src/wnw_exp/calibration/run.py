@@ -91,9 +91,37 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
     return scores, records
 
 
+_PATH_KEYS = ("cache_dir", "root", "path")  # where the data lives, not which clips
+
+
+def check_output_is_free(output: Path, cfg: dict) -> None:
+    """The default output folder names the model, data set, split, n and alignment only; a calibration of other
+    clips (other lengths, voices, text or seed) or another alignment would silently replace a finished file made for
+    a different recipe. Same recipe: the file is recomputed in place."""
+    if not output.exists():
+        return
+    try:
+        old = json.loads(output.read_text())
+        old_cal, old_model = old["calibration"], old["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a head-score file we made: HeadScores.save overwrites it as before
+    diff = []
+    if old_model != cfg["model"]["name"]:
+        diff.append(f"model {old_model} -> {cfg['model']['name']}")
+    for group in ("dataset", "alignment"):
+        was, now = old_cal.get(group) or {}, cfg.get(group) or {}
+        diff += [f"{group}.{k}={was[k]!r} -> {now[k]!r}" for k in sorted(set(was) & set(now))
+                 if k not in _PATH_KEYS and was[k] != now[k]]
+    if diff:
+        raise ValueError(f"{output} holds head scores calibrated on other data ({'; '.join(diff[:4])}): pass "
+                         "output=PATH or calibration_root=DIR to keep both, or delete the file to replace it")
+
+
 def run_calibration(cfg: dict, output: Path, progress: bool = True) -> HeadScores:
     """`wnw-calibrate` without Hydra: `cfg` holds model, dataset, alignment, device, dtype, seed, k_top,
-    hs_tokens. Writes `output` (head_scores.json) and `calibration.jsonl` beside it."""
+    hs_tokens. Writes `output` (head_scores.json) and `calibration.jsonl` beside it; refuses (ValueError, before
+    any work) to overwrite a head-score file calibrated on other clips or another alignment."""
+    check_output_is_free(Path(output), cfg)
     device = resolve_device(cfg.get("device", "auto"))
     dtype = resolve_dtype(cfg.get("dtype", "auto"), device)
     set_cpu_threads(cfg.get("cpu_threads"), device)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -18,11 +19,16 @@ from wnw_exp.cli.run import CONFIG_DIR, quiet_libraries
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="calibrate")
 def main(cfg: DictConfig) -> None:
-    from wnw_exp.calibration.run import run_calibration
+    from wnw_exp.calibration.run import check_output_is_free, run_calibration
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     output = Path(plain["output"]) if plain.get("output") else \
         Path(HydraConfig.get().runtime.output_dir) / "head_scores.json"
+    try:
+        check_output_is_free(output, plain)
+    except ValueError as e:
+        print(f"wnw-calibrate: error: {e}", file=sys.stderr)
+        sys.exit(2)
     progress = bool(cfg.progress) and not os.environ.get("WNW_NO_PROGRESS")
     if not progress:
         quiet_libraries()

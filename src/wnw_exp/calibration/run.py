@@ -17,6 +17,7 @@ from tqdm import tqdm
 from wnw_exp.backbones import load_backbone, resolve_device, resolve_dtype, set_cpu_threads
 from wnw_exp.calibration.alignment import build_aligner
 from wnw_exp.head_scores import HeadScores, code_version
+from wnw_exp.rundir import NOT_IDENTITY
 from wnw_exp.methods import registered_methods
 from wnw_exp.calibration.scores import (answer_token_words, default_k_top, group_mean, score_sample,
                                         token_audio_spans)
@@ -91,13 +92,15 @@ def calibrate(backbone, dataset, aligner, *, k_top: int | str = "auto", hs_token
     return scores, records
 
 
-_PATH_KEYS = ("cache_dir", "root", "path")  # where the data lives, not which clips
+class OutputTaken(ValueError):
+    """The output already holds head scores of another recipe (`check_output_is_free`)."""
 
 
 def check_output_is_free(output: Path, cfg: dict) -> None:
     """The default output folder names the model, data set, split, n and alignment only; a calibration of other
     clips (other lengths, voices, text or seed) or another alignment would silently replace a finished file made for
-    a different recipe. Same recipe: the file is recomputed in place."""
+    a different recipe. Same recipe: the file is recomputed in place. The dataset keys that do not choose the clips
+    are those a run directory leaves out of its identity (`rundir.NOT_IDENTITY`: the cache folder, n, shards)."""
     if not output.exists():
         return
     try:
@@ -105,21 +108,22 @@ def check_output_is_free(output: Path, cfg: dict) -> None:
         old_cal, old_model = old["calibration"], old["model"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # not a head-score file we made: HeadScores.save overwrites it as before
+    ignored = {k.split(".", 1)[1] for k in NOT_IDENTITY if k.startswith("dataset.")}
     diff = []
     if old_model != cfg["model"]["name"]:
         diff.append(f"model {old_model} -> {cfg['model']['name']}")
     for group in ("dataset", "alignment"):
         was, now = old_cal.get(group) or {}, cfg.get(group) or {}
         diff += [f"{group}.{k}={was[k]!r} -> {now[k]!r}" for k in sorted(set(was) & set(now))
-                 if k not in _PATH_KEYS and was[k] != now[k]]
+                 if not (group == "dataset" and k in ignored) and was[k] != now[k]]
     if diff:
-        raise ValueError(f"{output} holds head scores calibrated on other data ({'; '.join(diff[:4])}): pass "
-                         "output=PATH or calibration_root=DIR to keep both, or delete the file to replace it")
+        raise OutputTaken(f"{output} holds head scores calibrated on other data ({'; '.join(diff[:4])}): pass "
+                          "output=PATH or calibration_root=DIR to keep both, or delete the file to replace it")
 
 
 def run_calibration(cfg: dict, output: Path, progress: bool = True) -> HeadScores:
     """`wnw-calibrate` without Hydra: `cfg` holds model, dataset, alignment, device, dtype, seed, k_top,
-    hs_tokens. Writes `output` (head_scores.json) and `calibration.jsonl` beside it; refuses (ValueError, before
+    hs_tokens. Writes `output` (head_scores.json) and `calibration.jsonl` beside it; refuses (OutputTaken, before
     any work) to overwrite a head-score file calibrated on other clips or another alignment."""
     check_output_is_free(Path(output), cfg)
     device = resolve_device(cfg.get("device", "auto"))

@@ -19,20 +19,19 @@ from wnw_exp.cli.run import CONFIG_DIR, quiet_libraries
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="calibrate")
 def main(cfg: DictConfig) -> None:
-    from wnw_exp.calibration.run import check_output_is_free, run_calibration
+    from wnw_exp.calibration.run import OutputTaken, run_calibration
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     output = Path(plain["output"]) if plain.get("output") else \
         Path(HydraConfig.get().runtime.output_dir) / "head_scores.json"
-    try:
-        check_output_is_free(output, plain)
-    except ValueError as e:
-        print(f"wnw-calibrate: error: {e}", file=sys.stderr)
-        sys.exit(2)
     progress = bool(cfg.progress) and not os.environ.get("WNW_NO_PROGRESS")
     if not progress:
         quiet_libraries()
-    scores = run_calibration(plain, output, progress=progress)
+    try:
+        scores = run_calibration(plain, output, progress=progress)
+    except OutputTaken as e:  # refused before any work
+        print(f"wnw-calibrate: error: {e}", file=sys.stderr)
+        sys.exit(2)
     c = scores.calibration
     print(f"{scores.model}: {scores.n_layers} layers x {scores.n_kv_heads} KV heads, {c['n_samples']} samples, "
           f"{c['n_vs_tokens']} voice-score tokens, {c['n_hs_tokens']} gradient tokens")

@@ -91,8 +91,8 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 
 
 # eager steps before a CUDA graph is captured: they compile the kernels, allocate the buffers and build the tables
-# that must not be built inside a capture (one is enough: the CUDA tests pass with it, and a batch of 33 streams'
-# eager steps cost 50-80 ms each on the H200, docs/gpu.md); WNW_WARM_STEPS overrides it, for measurements
+# that must not be built inside a capture. One does all of that, and each eager step of a large batch costs tens
+# of ms (docs/gpu.md), so there is one; WNW_WARM_STEPS overrides it, for measurements
 WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 

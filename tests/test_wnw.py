@@ -621,7 +621,8 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone(monkeypatch)
     """Three WnW streams of different audio lengths (packed stores with Triton kernels, Triton's interpreter on the
     CPU), four ways each step: each policy's `after_step` as inside a graph capture (its one-launch decision and its
     store's one-launch queueing, what a captured step runs); `WnW.after_step_all` as inside a capture (the batch's
-    decisions in one launch and its queueing in another, `ChunkSwapTables`: what a captured batched step runs);
+    decisions in one launch, `ChunkSwapTables`, and its stores' queueing in another, `SegmentQueueTables`: what a
+    captured batched step runs);
     `WnW.after_step_all` eagerly (the batch's warm-up steps); each policy's own `after_step`. The same decisions
     (the recorded trace), segment states, zeroed scores and queues in all four, step by step, the stores flushed
     between steps. (The capture is simulated: the CPU has none.)"""
@@ -648,7 +649,7 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone(monkeypatch)
                 policy.after_step(None)  # a captured step has no step number
             WnW.after_step_all([p for p, _ in tables], [None] * len(lengths), captured_held)
         WnW.after_step_all([p for p, _ in together], [step] * len(lengths), held)
-        made.append(held["swap_tables"])
+        made.append((held["swap_tables"], held["queue_tables"]["queue"]))
         for policy, _ in own:
             policy.after_step(step)
         for b in range(len(lengths)):
@@ -669,7 +670,7 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone(monkeypatch)
             sa = alone[b][1]
             for streams in sets[1:]:
                 assert torch.equal(sa.slot_of, streams[b][1].slot_of)
-    assert all(m is made[0] for m in made)  # the batch's tables are made once
+    assert all(m[0] is made[0][0] and m[1] is made[0][1] for m in made)  # the batch's tables are made once
     assert "swap_tables" in captured_held  # the captured batch decided in one launch too
     for policy, _ in alone:
         trace = policy.trace()["wnw"]

@@ -757,6 +757,31 @@ def flush_stores(stores, held: dict | None = None, launch: bool = True) -> None:
         held["tables"]()
 
 
+def queue_segments_stores(parts, held: dict | None = None, launch: bool = True) -> None:
+    """Every `store.queue_segments(rows, positions, segments, recall, release)` of `parts` ((store, (rows,
+    positions, segments), recall, release) per stream: a method's per-segment decision as masks): the stores with
+    Triton moves together in one launch (their `SegmentQueueTables`, kept in `held` between calls and rebuilt when
+    a tensor in them changes: build it outside a graph capture), the others each by its own. `launch=False`: only
+    build the tables (before a capture)."""
+    together = []
+    for part in parts:
+        if part[0].moves == "triton":
+            together.append(part)
+        elif launch:
+            store, (rows, pos, seg), recall, release = part
+            store.queue_segments(rows, pos, seg, recall, release)
+    if not together:
+        return
+    from wnw_exp.kv.triton_moves import SegmentQueueTables
+
+    held = {} if held is None else held
+    tables = held.get("queue")
+    if tables is None or tables.key != SegmentQueueTables.key_of(together):
+        tables = held["queue"] = SegmentQueueTables(together, together[0][0].device)
+    if launch:
+        tables()
+
+
 def advance_stores(stores) -> None:
     """Every store's `advance()` (a batch's streams): their device counts (dense_len and dense_len_next) in one
     launch; the host count `_dense_n`, which only the eager `attend` reads, follows eager steps."""

@@ -14,7 +14,8 @@ The second launch copies the listed K/V rows from the host mirror as 16-bit word
 grid walking the list a grid-stride apart: its work follows the pairs that move, many reads in flight over PCIe,
 and its last program empties the list (a slot a release freed in the same flush may receive its rows: it holds no
 position, so nothing attends to it). Fixed grids, no host read: a CUDA graph can hold both launches.
-`queue_segments`: recalls and releases chosen per segment (WnW's chunk swap), both queued in one launch.
+`queue_segments`: recalls and releases chosen per segment (WnW's chunk swap), both queued in one launch;
+`SegmentQueueTables`: the same for several stores (a batch's streams) in one launch.
 `RecordTables`: a decode step's accounting (resident tokens, rows recalled so far) of one or several stores in one
 launch.
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
@@ -49,7 +50,7 @@ assert len(FIELDS) + 1 == NF
 @triton.jit
 def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _NF):
     """The tensor `j` (a pointer to `ty`) of the stores `s` (a scalar or a vector of store indices), in a table of
-    rows of NF fields (`FlushTables.ptrs` by default; `triton_swap.ChunkSwapTables` has its own)."""
+    rows of NF fields (`FlushTables.ptrs` by default; `SegmentQueueTables` has its own)."""
     return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
 
 
@@ -250,8 +251,8 @@ def queue_pairs(recall: bool, rows: torch.Tensor, pos: torch.Tensor, select: tor
 @triton.jit
 def _queue_segments_block(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
                           qrel_ptr, blk, n, N, BLOCK: tl.constexpr):
-    """Block `blk` of BLOCK pairs of one store's `queue_segments` (the direct kernel and the tables' kernel,
-    `triton_swap.ChunkSwapTables`, both run it)."""
+    """Block `blk` of BLOCK pairs of one store's `queue_segments` (the direct kernel and `SegmentQueueTables`'s
+    both run it)."""
     i = blk * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     flat = tl.load(r_ptr + i, mask=m, other=0).to(tl.int64) * N + tl.load(p_ptr + i, mask=m, other=0)
@@ -269,6 +270,63 @@ def _queue_segments_kernel(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, sl
                            qrel_ptr, n, N, BLOCK: tl.constexpr):
     _queue_segments_block(r_ptr, p_ptr, seg_ptr, rec_mask_ptr, rel_mask_ptr, slot_of_ptr, on_host_ptr, qrec_ptr,
                           qrel_ptr, tl.program_id(0), n, N, BLOCK)
+
+
+# The fields of a store's row in `SegmentQueueTables.ptrs`: its pairs (rows, positions, segments) and the decision's
+# masks (recall, release), its bookkeeping, then the number of pairs and the store's audio length.
+(_Q_ROWS, _Q_POS, _Q_SEG, _Q_RECALL, _Q_RELEASE, _Q_SLOT_OF, _Q_ON_HOST, _Q_QREC, _Q_QREL, _Q_NPAIRS, _Q_N) = (
+    tl.constexpr(j) for j in range(11))
+QNF = 11
+_QNF = tl.constexpr(QNF)
+QUEUE_FIELDS = ("slot_of", "on_host", "queued_recall", "queued_release")
+
+
+@triton.jit
+def _segment_queue_tables_kernel(tbl, BLOCK: tl.constexpr):
+    """Block program_id(0) of store program_id(1)'s pairs: its `queue_segments`."""
+    st = tl.program_id(1)
+    n = tl.load(tbl + st * _QNF + _Q_NPAIRS)
+    if tl.program_id(0) * BLOCK < n:
+        _queue_segments_block(_field(tbl, st, _Q_ROWS, tl.int64, _QNF), _field(tbl, st, _Q_POS, tl.int64, _QNF),
+                              _field(tbl, st, _Q_SEG, tl.int64, _QNF), _field(tbl, st, _Q_RECALL, tl.int8, _QNF),
+                              _field(tbl, st, _Q_RELEASE, tl.int8, _QNF), _field(tbl, st, _Q_SLOT_OF, tl.int32, _QNF),
+                              _field(tbl, st, _Q_ON_HOST, tl.int8, _QNF), _field(tbl, st, _Q_QREC, tl.int8, _QNF),
+                              _field(tbl, st, _Q_QREL, tl.int8, _QNF), tl.program_id(0), n,
+                              tl.load(tbl + st * _QNF + _Q_N), BLOCK)
+
+
+class SegmentQueueTables:
+    """`PackedAudioKVStore.queue_segments` of several stores (a batch's streams, each with a method's per-segment
+    recall and release masks) in one launch; one store is a table of one. `parts`: (store, (rows, positions,
+    segments) int64 pairs, recall (n_seg,) bool, release (n_seg,) bool) per store. The tensors' addresses are in a
+    table (`ptrs`, rows of QNF fields): made outside any graph capture, rebuilt when `key` changes (compare
+    `SegmentQueueTables.key_of(parts)`); the tensors are kept alive here."""
+
+    BLOCK = 1024
+
+    def __init__(self, parts: list, device: torch.device):
+        rows, self._keep = [], []
+        for store, (p_rows, p_pos, p_seg), recall, release in parts:
+            assert all(x.dtype == torch.int64 for x in (p_rows, p_pos, p_seg)) and store.slot_of.dtype == torch.int32
+            assert recall.dtype == torch.bool and release.dtype == torch.bool
+            ts = [p_rows, p_pos, p_seg, recall, release] + [getattr(store, f) for f in QUEUE_FIELDS]
+            assert all(x.is_contiguous() for x in ts)
+            self._keep += ts
+            rows.append([x.data_ptr() for x in ts] + [p_pos.numel(), store.slot_of.shape[1]])
+        self.key = self.key_of(parts)
+        self.n = len(rows)
+        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, QNF)
+        self.blocks = triton.cdiv(max((pairs[1].numel() for _, pairs, _, _ in parts), default=0), self.BLOCK)
+
+    @staticmethod
+    def key_of(parts: list) -> list:
+        """What the tables were built from (every tensor's address): a part that changes needs new tables."""
+        return [x.data_ptr() for store, pairs, recall, release in parts
+                for x in (*pairs, recall, release, *(getattr(store, f) for f in QUEUE_FIELDS))]
+
+    def __call__(self) -> None:
+        if self.blocks:
+            _segment_queue_tables_kernel[(self.blocks, self.n)](self.ptrs, BLOCK=self.BLOCK)
 
 
 def queue_segments(rows: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, recall: torch.Tensor,

@@ -108,6 +108,7 @@ import torch
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScores, resolve_head_scores
 from wnw_exp.kv.base import KVStore
+from wnw_exp.kv.packed import queue_segments_stores
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw.mobility import measure_swap_mobility
@@ -589,19 +590,26 @@ class WnW(Policy):
         capture)."""
         from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables
 
-        parts = [(p._fused_swap, p.scores_acc, (p.store, p._host_pairs())) for p in together]
+        parts = [(p._fused_swap, p.scores_acc) for p in together]
         tables = held.get("swap_tables")
         if tables is None or tables.key != ChunkSwapTables.key_of(parts):
             tables = held["swap_tables"] = ChunkSwapTables(parts, together[0].ctx.device)
         return tables
 
+    @staticmethod
+    def _queue_parts(together: list["WnW"]) -> list:
+        """What the stores queue from the batch's decisions: (store, its tidal heads' host-tier pairs, the recall
+        and release masks the decision wrote) per policy."""
+        return [(p.store, p._host_pairs(), p._fused_swap.recall, p._fused_swap.release) for p in together]
+
     @classmethod
     def after_step_all(cls, policies: list["WnW"], steps: list, held: dict) -> None:
         """A batch's `after_step`s: the policies deciding in one Triton launch on their own (`_joins`) decide
-        together in one launch and queue their moves together in a second (`triton_swap.ChunkSwapTables`, eagerly
-        as inside a capture: the moves a captured step queues, without the eager store's per-stream checks and
-        their host reads, several per stream, which made a batch's eager steps slow). The others step on their own.
-        Each policy's state, records and queued moves are what its own `after_step` makes."""
+        together in one launch (`triton_swap.ChunkSwapTables`) and their stores queue the moves the decisions ask
+        for together in a second (`kv.packed.queue_segments_stores`), eagerly as inside a capture: the moves a
+        captured step queues, without the eager store's per-stream checks and their host reads, several per stream,
+        which made a batch's eager steps slow. The others step on their own. Each policy's state, records and
+        queued moves are what its own `after_step` makes."""
         joins = [cls._joins(p) for p in policies]
         for p, i, j in zip(policies, steps, joins):
             if not j:
@@ -621,14 +629,16 @@ class WnW(Policy):
                 p._fused_swap = None
                 p._decide(i)  # its signal is adjusted already
             return
-        tables.queue()
+        queue_segments_stores(cls._queue_parts([p for p, _ in together]), held.setdefault("queue_tables", {}))
 
     @classmethod
     def prepare_step_all(cls, policies: list["WnW"], held: dict) -> None:
-        """The batch's `ChunkSwapTables` (and each joining policy's host-tier pairs), built before a capture."""
+        """The batch's `ChunkSwapTables` and its stores' queue tables (with each joining policy's host-tier pairs),
+        built before a capture."""
         together = [p for p in policies if cls._joins(p)]
         if together:
             cls._swap_tables(together, held)
+            queue_segments_stores(cls._queue_parts(together), held.setdefault("queue_tables", {}), launch=False)
 
     def _move(self, segs: list[int], recall: bool, window: bool = False) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head (with `window`: every fixed

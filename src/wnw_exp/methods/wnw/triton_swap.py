@@ -2,9 +2,9 @@
 specification, is some 25 small kernels; with the decision's records and the score reset around it, some 33).
 
 `ChunkSwapTables`: the decisions of several streams (a batch's WnW policies) in one launch, one program per stream,
-each stream's tensors found through a table of their addresses (as `kv.triton_moves.FlushTables`), and the queueing
-of their tidal heads' recalls and releases (the store's `queue_segments`) in a second launch; `FusedChunkSwap`, one
-stream's decision, is a table of one. Each program
+each stream's tensors found through a table of their addresses (as `kv.triton_moves.FlushTables`); `FusedChunkSwap`,
+one stream's decision, is a table of one. The decision is data, the per-segment recall and release masks: the
+store queues the moves they ask for (`kv.packed.queue_segments_stores`). Each program
 
 1. sums each chunk's anchor scores in float64, in order (chunk c covers tokens [c n_s, min(c n_s + n_c, N))) and
    divides by the chunk's length: the chunk means;
@@ -25,14 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from wnw_exp.kv.triton_moves import _field, _queue_segments_block
-
-# The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses) and sizes, then its
-# queueing's (the tidal heads' host-tier pairs and segments, the store's tensors) and sizes.
+# The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses), then its sizes.
 (_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
- _DELTA, _ROWS, _POS, _SEG, _SLOT_OF, _ON_HOST, _QREC, _QREL, _NPAIRS, _NSTORE) = (tl.constexpr(j) for j in range(25))
-NF = 25  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
+ _DELTA) = (tl.constexpr(j) for j in range(16))
+NF = 16  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
 _NF = tl.constexpr(NF)
+
+
+@triton.jit
+def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr):
+    """Tensor `j` (a pointer to `ty`) of stream `s` in a table of rows of NF fields."""
+    return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
 
 
 @triton.jit
@@ -102,82 +105,38 @@ def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.
         tl.store(a_ptr + p, tl.zeros([1024], tl.float32), mask=p < N)
 
 
-@triton.jit
-def _queue_kernel(tbl, BLOCK: tl.constexpr):
-    """Block program_id(0) of stream program_id(1)'s pairs: the store's `queue_segments` with its decision's masks."""
-    st = tl.program_id(1)
-    n = tl.load(tbl + st * _NF + _NPAIRS)
-    if tl.program_id(0) * BLOCK < n:
-        _queue_segments_block(_field(tbl, st, _ROWS, tl.int64, _NF), _field(tbl, st, _POS, tl.int64, _NF),
-                              _field(tbl, st, _SEG, tl.int64, _NF), _field(tbl, st, _RECALL, tl.int8, _NF),
-                              _field(tbl, st, _RELEASE, tl.int8, _NF), _field(tbl, st, _SLOT_OF, tl.int32, _NF),
-                              _field(tbl, st, _ON_HOST, tl.int8, _NF), _field(tbl, st, _QREC, tl.int8, _NF),
-                              _field(tbl, st, _QREL, tl.int8, _NF), tl.program_id(0), n,
-                              tl.load(tbl + st * _NF + _NSTORE), BLOCK)
-
-
 class ChunkSwapTables:
-    """The decisions of several streams' chunk swaps in one launch (`decide`) and the queueing of their moves in a
-    second (`queue`); see the module docstring. `parts`: (its `FusedChunkSwap`, its scores (n_audio,) float32,
-    and for the queueing (store, (rows, positions, segments) int64 pairs) or None) per stream. The tensors'
-    addresses are in a table (`ptrs`, one row of NF fields per stream): made once, outside any graph capture, and
-    rebuilt when any of them changes (`key`: compare `ChunkSwapTables.key_of(parts)`); the tensors are kept alive
-    here."""
-
-    QUEUE_BLOCK = 1024
+    """The decisions of several streams' chunk swaps in one launch (`decide`); see the module docstring. `parts`:
+    (its `FusedChunkSwap`, its scores (n_audio,) float32) per stream. The tensors' addresses are in a table
+    (`ptrs`, one row of NF fields per stream): made once, outside any graph capture, and rebuilt when any of them
+    changes (`key`: compare `ChunkSwapTables.key_of(parts)`); the tensors are kept alive here."""
 
     def __init__(self, parts: list, device: torch.device):
         rows, keep = [], []
-        for fused, scores, queue in parts:
+        for fused, scores in parts:
             assert scores.is_contiguous() and scores.dtype == torch.float32
             sw, r = fused.swap, fused.records
             assert sw.unselected.dtype == torch.int64 and r["resident"].dtype == torch.int64
             ts = [scores, sw.recalled, sw.unselected, fused.selected, fused.recall, fused.release, fused.t,
                   r["selected"], r["recall"], r["release"], r["resident"]]
-            sizes = [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta]
-            if queue is not None:
-                store, (p_rows, p_pos, p_seg) = queue
-                qs = [p_rows, p_pos, p_seg, store.slot_of, store.on_host, store.queued_recall, store.queued_release]
-                assert all(x.dtype == torch.int64 for x in (p_rows, p_pos, p_seg)) and store.slot_of.dtype == torch.int32
-                assert all(x.is_contiguous() for x in qs)
-                qsizes = [p_pos.numel(), store.slot_of.shape[1]]
-            else:
-                qs, qsizes = [], [0, 0]
-            keep += ts + qs
-            rows.append([x.data_ptr() for x in ts] + sizes + [x.data_ptr() for x in qs] + [0] * (7 - len(qs)) + qsizes)
+            keep += ts
+            rows.append([x.data_ptr() for x in ts] + [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta])
         self.key = self.key_of(parts)
         self._keep = keep
         self.n = len(rows)
         self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, NF)
-        self.pads = dict(C_PAD=max(16, triton.next_power_of_2(max(f.swap.n_chunks for f, _, _ in parts))),
-                         S_PAD=max(16, triton.next_power_of_2(max(f.swap.n_seg for f, _, _ in parts))),
-                         K_MAX=max(1, max(f.top_k for f, _, _ in parts)))
-        n_pairs = max((q[1][1].numel() for _, _, q in parts if q is not None), default=0)
-        self.queue_blocks = triton.cdiv(n_pairs, self.QUEUE_BLOCK)
+        self.pads = dict(C_PAD=max(16, triton.next_power_of_2(max(f.swap.n_chunks for f, _ in parts))),
+                         S_PAD=max(16, triton.next_power_of_2(max(f.swap.n_seg for f, _ in parts))),
+                         K_MAX=max(1, max(f.top_k for f, _ in parts)))
 
     @staticmethod
     def key_of(parts: list) -> list:
-        """What the tables were built from (every tensor's address): a part that changes needs new tables."""
-        key = []
-        for fused, scores, queue in parts:
-            key += [id(fused), scores.data_ptr()]
-            if queue is not None:
-                store, pairs = queue
-                key += [x.data_ptr() for x in (*pairs, store.slot_of, store.on_host, store.queued_recall,
-                                                store.queued_release)]
-            else:
-                key.append(None)
-        return key
+        """What the tables were built from: a part that changes needs new tables."""
+        return [k for fused, scores in parts for k in (id(fused), scores.data_ptr())]
 
     def decide(self) -> None:
         """Every stream's decision, records, counter and score reset (`_chunk_swap_kernel`, one program each)."""
         _chunk_swap_kernel[(self.n,)](self.ptrs, **self.pads)
-
-    def queue(self) -> None:
-        """Every stream's `store.queue_segments(rows, positions, segments, recall, release)` with the masks its
-        decision wrote (graph-safe: what the store queues inside a capture with Triton moves)."""
-        if self.queue_blocks:
-            _queue_kernel[(self.queue_blocks, self.n)](self.ptrs, BLOCK=self.QUEUE_BLOCK)
 
 
 class FusedChunkSwap:
@@ -203,7 +162,7 @@ class FusedChunkSwap:
     def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decide from `scores` (n_audio,) float32, which it zeroes; returns the (selected, recall, release) masks
         (the same tensors every step)."""
-        parts = [(self, scores, None)]
+        parts = [(self, scores)]
         if self._tables is None or self._tables.key != ChunkSwapTables.key_of(parts):
             self._tables = ChunkSwapTables(parts, scores.device)
         self._tables.decide()

@@ -252,3 +252,25 @@ def test_calibrate_refuses_to_overwrite_a_file_made_on_other_clips(tmp_path):
     assert res.stderr.splitlines() == [f"wnw-calibrate: error: {out} holds head scores calibrated on other data "
                                        "(dataset.min_seconds=6.0 -> 7.0): pass output=PATH or calibration_root=DIR to "
                                        "keep both, or delete the file to replace it"]
+
+
+def test_head_score_properties_by_hand(tmp_path):
+    """`HeadScores.properties` on a 5-layer, 2-head file whose numbers are checked by hand: layers 2-4 (the upper
+    60%) for the first-token share, every head for the sink count, the median for the 90%-mass positions."""
+    first = [[0.0, 0.1], [0.2, 0.4], [0.5, 0.3], [0.6, 0.2], [0.1, 0.7]]
+    a90 = [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6], [0.7, 0.8], [0.9, 1.0]]
+    vs = np.array([[0.01, 0.5], [0.02, 0.03], [0.3, 0.04], [0.05, 0.06], [0.07, 0.4]])
+    hs = HeadScores(model="m", n_layers=5, n_q_heads=4, n_kv_heads=2, head_dim=8, token_rate=12.5, voice_score=vs,
+                    head_sensitivity=np.zeros((5, 2)),
+                    calibration=dict(n_samples=3, head_attention=dict(first_token=first, audio=a90,
+                                                                      audio_positions_90=a90)))
+    path = hs.save(tmp_path / "h.json")
+    p = HeadScores.load(path).properties()
+    assert p["first_token_layers"] == [2, 4]
+    assert p["first_token"] == pytest.approx((0.5 + 0.3 + 0.6 + 0.2 + 0.1 + 0.7) / 6, abs=1e-4)
+    assert p["sink_heads"] == 4 and p["n_kv_heads_total"] == 10  # 0.4, 0.5, 0.6, 0.7 (0.3 is not above it)
+    assert p["audio_positions_90"] == pytest.approx(0.55)
+    assert p["voice_score_top3"] == [0.5, 0.4, 0.3] and p["voice_score_median"] == pytest.approx(0.055)
+    hs.calibration = dict(n_samples=3)
+    with pytest.raises(HeadScoresError, match="head_attention"):
+        hs.properties()

@@ -60,6 +60,27 @@ class HeadScores:
             calibration=self.calibration, code_version=self.code_version, created=self.created,
         )
 
+    def properties(self, sink_layers: tuple[int, int] | None = None, sink_threshold: float = 0.3) -> dict:
+        """The testbed's properties the paper's methods rely on, from the calibration's `head_attention` and the
+        voice scores: `first_token` the mean attention on position 0 over the KV heads of layers
+        [sink_layers[0], sink_layers[1]) (None: the upper 60% of the layers, 12-29 of 30), `sink_heads` the KV heads
+        (all layers) above `sink_threshold` there, `audio_positions_90` the median over heads of the fewest audio
+        positions holding 90% of a head's audio mass (a fraction of the audio), `voice_score_top3` and
+        `voice_score_median`."""
+        ha = self.calibration.get("head_attention")
+        if not ha:
+            raise HeadScoresError(f"{self.path or 'these head scores'}: no calibration.head_attention (calibrated "
+                                  "before it was recorded): run wnw-calibrate again")
+        first = np.asarray(ha["first_token"], dtype=np.float64)
+        lo, hi = sink_layers if sink_layers is not None else (int(round(0.4 * self.n_layers)), self.n_layers)
+        vs = np.sort(np.asarray(self.voice_score, dtype=np.float64).ravel())[::-1]
+        return dict(first_token=round(float(first[lo:hi].mean()), 4), first_token_layers=[lo, hi - 1],
+                    sink_heads=int((first > sink_threshold).sum()), n_kv_heads_total=int(first.size),
+                    audio_positions_90=round(float(np.median(ha["audio_positions_90"])), 4),
+                    voice_score_top3=[round(float(v), 4) for v in vs[:3]],
+                    voice_score_median=round(float(np.median(vs)), 5),
+                    n_samples=self.calibration.get("n_samples"), dataset=self.calibration.get("dataset"))
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ grid walking the list a grid-stride apart: its work follows the pairs that move,
 and its last program empties the list (a slot a release freed in the same flush may receive its rows: it holds no
 position, so nothing attends to it). Fixed grids, no host read: a CUDA graph can hold both launches.
 `queue_segments`: recalls and releases chosen per segment (WnW's chunk swap), both queued in one launch;
-`SegmentQueueTables`: the same for several stores (a batch's streams) in one launch.
+`SegmentQueueTables`: the same for several stores (a batch's streams) in one launch. `queue_pages`: recalls and
+releases chosen per (head, page) (ArkVale's swap) in one launch.
 `RecordTables`: a decode step's accounting (resident tokens, rows recalled so far) of one or several stores in one
 launch.
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
@@ -344,6 +345,33 @@ def queue_segments(rows: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, rec
     i8 = lambda x: x.view(torch.int8)  # noqa: E731
     _queue_segments_kernel[(triton.cdiv(n, BLOCK),)](rows, pos, seg, i8(recall), i8(release), slot_of, i8(on_host),
                                                      i8(queued_recall), i8(queued_release), n, N, BLOCK=BLOCK)
+
+
+@triton.jit
+def _queue_pages_kernel(codes_ptr, codes_stride, page_of_ptr, on_host_ptr, slot_of_ptr, qrec_ptr, qrel_ptr, row0, N,
+                        BLOCK: tl.constexpr):
+    """Row row0 + program_id(0): every position of a page coded 1 queued for recall (a host copy, not resident), of a
+    page coded 2 for release (a host copy, resident)."""
+    h = tl.program_id(0)
+    row = (row0 + h).to(tl.int64) * N
+    for n0 in range(0, N, BLOCK):
+        pos = n0 + tl.arange(0, BLOCK)
+        m = pos < N
+        code = tl.load(codes_ptr + h * codes_stride + tl.load(page_of_ptr + pos, mask=m, other=0), mask=m, other=0)
+        host = m & (tl.load(on_host_ptr + row + pos, mask=m, other=0) != 0)
+        resident = tl.load(slot_of_ptr + row + pos, mask=host, other=-1) >= 0
+        tl.store(qrec_ptr + row + pos, tl.full([BLOCK], 1, tl.int8), mask=host & (code == 1) & ~resident)
+        tl.store(qrel_ptr + row + pos, tl.full([BLOCK], 1, tl.int8), mask=host & (code == 2) & resident)
+
+
+def queue_pages(codes: torch.Tensor, page_of: torch.Tensor, row0: int, slot_of: torch.Tensor, on_host: torch.Tensor,
+                queued_recall: torch.Tensor, queued_release: torch.Tensor) -> None:
+    """Recalls and releases chosen per (row, page) in one launch, one program per row: codes (R, >= n_pages) int8
+    for rows row0 .. row0 + R - 1 (1 recall, 2 release), page_of (N,) int64 each position's page."""
+    assert codes.stride(1) == 1 and page_of.is_contiguous() and slot_of.is_contiguous()
+    _queue_pages_kernel[(codes.shape[0],)](codes, codes.stride(0), page_of, on_host.view(torch.int8), slot_of,
+                                           queued_recall.view(torch.int8), queued_release.view(torch.int8), row0,
+                                           slot_of.shape[1], BLOCK=1024)
 
 
 @triton.jit

@@ -3,10 +3,10 @@ path inside a CUDA graph: what `ArkVale.swap_pages` and its two store calls do i
 
 Per head: page scores (sum_d max(q_d hi_d, q_d lo_d), the mean over the head's query group, in float32), the top-k
 pages by score (ties: the lower page), the missing ones (top-k, not resident) and as many victims (resident, not in
-the top-k, the lowest scores; ties: the lower page); the resident-page mask is updated in place and every position
-of a missing page is queued for recall, every position of a victim for release, in the store's queue masks (only
-positions with a host copy, as `PackedAudioKVStore.recall` / `release` queue them). The store's flush of the layer
-then moves them. Ranks are counted pairwise (page p's rank = the pages ahead of it), exact for any tie.
+the top-k, the lowest scores; ties: the lower page); the resident-page mask is updated in place and the decision is
+written as data, one code per (head, page): 1 missing, 2 victim, 0 neither. The store queues the positions of those
+pages (`PackedAudioKVStore.queue_pages`) and its flush of the layer moves them; this kernel touches no store. Ranks
+are counted pairwise (page p's rank = the pages ahead of it), exact for any tie.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
 """
 
@@ -16,14 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_P, BLOCK_N = 32, 1024  # pages per score / rank tile; positions per queueing iteration
+BLOCK_P = 32  # pages per score / rank tile
 
 
 @triton.jit
-def _swap_kernel(q_ptr, hi_ptr, lo_ptr, scores_ptr, codes_ptr, res_ptr, k_ptr, budget_ptr, page_of_ptr,
-                 rec_ptr, rel_ptr, on_host_ptr, slot_of_ptr, recalled_ptr, row0, P, N,
-                 G: tl.constexpr, D: tl.constexpr, P_PAD: tl.constexpr, GIVEN: tl.constexpr,
-                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _swap_kernel(q_ptr, hi_ptr, lo_ptr, scores_ptr, codes_ptr, res_ptr, k_ptr, budget_ptr, recalled_ptr, P,
+                 G: tl.constexpr, D: tl.constexpr, P_PAD: tl.constexpr, GIVEN: tl.constexpr, BLOCK_P: tl.constexpr):
     h = tl.program_id(0)
     cols = tl.arange(0, D)
     lanes = tl.arange(0, BLOCK_P)
@@ -75,29 +73,14 @@ def _swap_kernel(q_ptr, hi_ptr, lo_ptr, scores_ptr, codes_ptr, res_ptr, k_ptr, b
     tl.store(res_ptr + h * P + pages, ((res & ~victims) | missing).to(tl.int8), mask=valid)
     tl.store(codes_ptr + h * P_PAD + pages, tl.where(missing, 1, tl.where(victims, 2, 0)).to(tl.int8), mask=valid)
     tl.atomic_add(recalled_ptr, n_missing.to(tl.int64))
-    tl.debug_barrier()
-    # 4. queue every position of a missing page for recall, of a victim for release
-    row = (row0 + h).to(tl.int64) * N
-    for n0 in range(0, N, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        m = pos < N
-        code = tl.load(codes_ptr + h * P_PAD + tl.load(page_of_ptr + pos, mask=m, other=0), mask=m, other=0)
-        host = tl.load(on_host_ptr + row + pos, mask=m, other=0) != 0
-        resident = tl.load(slot_of_ptr + row + pos, mask=m, other=-1) >= 0
-        rec = m & (code == 1) & host & ~resident
-        rel = m & (code == 2) & host & resident
-        old_rec = tl.load(rec_ptr + row + pos, mask=m, other=0)
-        old_rel = tl.load(rel_ptr + row + pos, mask=m, other=0)
-        tl.store(rec_ptr + row + pos, (old_rec != 0) | rec, mask=m)
-        tl.store(rel_ptr + row + pos, (old_rel != 0) | rel, mask=m)
 
 
 def swap(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, resident: torch.Tensor, k: torch.Tensor,
-         budget: torch.Tensor, page_of: torch.Tensor, store, layer: int, recalled: torch.Tensor, scratch: dict,
-         scores: torch.Tensor | None = None) -> None:
-    """ArkVale's swap of `layer` into `store`'s queues: q (H_q, D) the step's query, hi/lo (H, P, D) the digests,
-    resident (H, P) bool (updated in place), k and budget (H,) int64, page_of (n_audio,) int64, `recalled` an int64
-    counter of recalled pages. `scores` (H, P) float32, when given, replaces the kernel's own page scores (tests)."""
+         budget: torch.Tensor, recalled: torch.Tensor, scratch: dict, scores: torch.Tensor | None = None) -> torch.Tensor:
+    """ArkVale's swap of one layer: q (H_q, D) the step's query, hi/lo (H, P, D) the digests, resident (H, P) bool
+    (updated in place), k and budget (H,) int64, `recalled` an int64 counter of recalled pages. Returns the codes
+    (H, P_PAD) int8 (1 missing, 2 victim; the same tensor every call, for `PackedAudioKVStore.queue_pages`).
+    `scores` (H, P) float32, when given, replaces the kernel's own page scores (tests)."""
     H, P, D = hi.shape
     G = q.shape[0] // H
     P_PAD = max(BLOCK_P, triton.next_power_of_2(P))
@@ -107,7 +90,6 @@ def swap(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, resident: torch.Te
     if scores is not None:
         scratch["scores"][:, :P] = scores
     assert q.is_contiguous() and hi.is_contiguous() and lo.is_contiguous() and resident.is_contiguous()
-    _swap_kernel[(H,)](q, hi, lo, scratch["scores"], scratch["codes"], resident.view(torch.int8), k, budget, page_of,
-                       store.queued_recall.view(torch.int8), store.queued_release.view(torch.int8),
-                       store.on_host.view(torch.int8), store.slot_of, recalled, layer * H, P, store.n_audio,
-                       G=G, D=D, P_PAD=P_PAD, GIVEN=scores is not None, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N)
+    _swap_kernel[(H,)](q, hi, lo, scratch["scores"], scratch["codes"], resident.view(torch.int8), k, budget, recalled,
+                       P, G=G, D=D, P_PAD=P_PAD, GIVEN=scores is not None, BLOCK_P=BLOCK_P)
+    return scratch["codes"]

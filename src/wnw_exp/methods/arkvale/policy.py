@@ -121,11 +121,9 @@ class ArkVale(Policy):
         self.n_recalled_pages = 0
         self.on_device = bool(store.queues_moves)
         if self.on_device:
-            dev, H, n = ctx.device, ctx.n_kv_heads, ctx.n_audio
+            dev = ctx.device
             self._recalled = torch.zeros((), dtype=torch.long, device=dev)
             self._page_of = torch.repeat_interleave(torch.arange(n_pages), self.bounds.diff()).to(dev)  # (n_audio,)
-            self._pos = torch.arange(n, device=dev).expand(H, n)
-            self._head = torch.arange(H, device=dev)[:, None].expand(H, n)
             budget = torch.as_tensor(self.budget, device=dev)  # (L, H)
             self._budget = budget
             self._k = torch.clamp(torch.floor(self.topk_fraction * budget.double()).long(), min=1)
@@ -223,18 +221,17 @@ class ArkVale(Policy):
 
     def _swap_device(self, layer: int, q: torch.Tensor) -> None:
         hi, lo = self.digests[layer]
-        if self.store.kernels == "triton":  # the same swap and queueing in one kernel (kernels.py)
+        if self.store.kernels == "triton":  # the same decision in one kernel (kernels.py)
             from wnw_exp.methods.arkvale.kernels import swap
 
-            swap(q, hi, lo, self.resident[layer], self._k[layer], self._budget[layer], self._page_of, self.store,
-                 layer, self._recalled, self._scratch)
+            codes = swap(q, hi, lo, self.resident[layer], self._k[layer], self._budget[layer], self._recalled,
+                         self._scratch)
         else:
             victims, missing = self.swap_pages(layer, page_scores(q.view(self.ctx.n_kv_heads, self.ctx.group, -1),
                                                                   hi, lo))
-            rows = self._head + layer * self.ctx.n_kv_heads
-            self.store.release(rows, self._pos, select=victims[:, self._page_of])
-            self.store.recall(rows, self._pos, select=missing[:, self._page_of])
+            codes = missing.to(torch.int8) + 2 * victims.to(torch.int8)
             self._recalled += missing.sum()
+        self.store.queue_pages(layer, self._page_of, codes)  # the decision as data: the store queues the moves
         self.store.flush(layer)  # in force for this layer's attention, as in ArkVale
 
     def knobs(self) -> dict:

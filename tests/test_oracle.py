@@ -2,6 +2,7 @@
 that, at each decode step, keeps only each KV head's top-r audio positions of that step's true attention."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -85,3 +86,29 @@ def test_oracle_at_full_retention_is_full_cache():
 def test_oracle_refuses_an_unknown_granularity():
     with pytest.raises(ValueError, match="granularity"):
         build_policy({"name": "oracle", "granularity": "page"})
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_oracle_on_the_packed_store_is_the_reference_stores(kernels):
+    """The oracle's decision queued as data (`queue_pages`) on the packed store, the GPU's (on the CPU: the fused
+    step with PyTorch kernels, or Triton's interpreter), gives the reference store's tokens and logits, the same
+    resident share at every step and the same recalls."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    backbone = tiny_voxtral()
+    backbone.eos_token_ids = [-1]
+    prompt = backbone.build_prompt(noise_audio(12.0))
+    runs, steps = {}, {}
+    for store, path in (("reference", {}), ("packed", dict(store="packed", fused=True, kernels=kernels))):
+        policy = build_policy({"name": "oracle", "granularity": "chunk", "chunk_seconds": 2.0}, backbone.describe())
+        runs[store] = generate(backbone, prompt, policy, retention=0.3, max_new_tokens=N_NEW, keep_logits=True, **path)
+        steps[store] = [s.n_gpu for s in policy.store.steps]
+    ref, packed = runs["reference"], runs["packed"]
+    assert packed.tokens == ref.tokens and len(set(ref.tokens)) > 3
+    for a, b in zip(packed.logits, ref.logits):
+        assert (a - b).abs().max() < 1e-4
+    assert steps["packed"] == steps["reference"] and len(steps["reference"]) >= N_NEW - 1
+    assert packed.store_summary["r_gpu"] == ref.store_summary["r_gpu"] < 0.3
+    assert packed.store_summary["mb_per_step"] > 0

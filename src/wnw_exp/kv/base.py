@@ -67,6 +67,18 @@ class KVStore(Protocol):
     def release(self, rows, positions, select: torch.Tensor | None = None) -> int | None:
         """Free the device copies of positions that have a host copy. Returns how many (None in a graph)."""
 
+    def queue_pages(self, layer: int, page_of: torch.Tensor, codes: torch.Tensor) -> None:
+        """A method's per-head page decision, as data: on KV head h of `layer`, every position p whose page
+        page_of[p] has codes[h, page] == 2 is released and == 1 recalled (as `release` and `recall` do, in that
+        order). codes (H_kv, >= n_pages) int8, page_of (n_audio,) int64. A store with Triton kernels does it in one
+        launch."""
+        H, N = codes.shape[0], page_of.shape[0]
+        code = codes[:, page_of]
+        rows = (layer * H + torch.arange(H, device=codes.device))[:, None].expand(H, N)
+        pos = torch.arange(N, device=codes.device).expand(H, N)
+        self.release(rows, pos, select=code == 2)
+        self.recall(rows, pos, select=code == 1)
+
     def flush(self, layer: int | None = None) -> None:
         """Apply the queued moves (of one layer, or all) before the attention that must see them."""
 

@@ -499,21 +499,14 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         return None if _capturing() else int(new.sum())
 
     def queue_pages(self, layer: int, page_of: torch.Tensor, codes: torch.Tensor) -> None:
-        """A per-head page decision, as data: on KV head h of `layer`, every position p whose page page_of[p] has
-        codes[h, page] == 1 is queued for recall, == 2 for release (as `recall` / `release` queue: a host copy, and
-        not resident / resident). codes (H_kv, >= n_pages) int8, page_of (n_audio,) int64. With Triton kernels in
-        one launch (graph-safe), else `release` then `recall` with the two masks."""
-        H = codes.shape[0]
+        """`KVStore.queue_pages`; with Triton kernels in one launch (graph-safe), the same marks in the queues."""
         if self.kernels == "triton":
             from wnw_exp.kv.triton_moves import queue_pages
 
-            queue_pages(codes, page_of, layer * H, self.slot_of, self.on_host, self.queued_recall, self.queued_release)
+            queue_pages(codes, page_of, layer * codes.shape[0], self.slot_of, self.on_host, self.queued_recall,
+                        self.queued_release)
             return
-        rows = torch.arange(layer * H, (layer + 1) * H, device=self.device)[:, None].expand(H, self.n_audio)
-        pos = torch.arange(self.n_audio, device=self.device).expand(H, self.n_audio)
-        code = codes[:, page_of]
-        self.release(rows, pos, select=code == 2)
-        self.recall(rows, pos, select=code == 1)
+        KVStore.queue_pages(self, layer, page_of, codes)
 
     def _flush_blocks(self) -> dict:
         """Per flush scope (None: every layer; a layer), the rows that can move — those with a host copy, the only

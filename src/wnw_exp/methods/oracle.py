@@ -13,8 +13,9 @@ store and a host mirror of all audio (r_GPU+CPU = 1). The moves it makes each st
 device traffic like any recall; they say nothing about a real system. From prefill to its first decode step a
 layer keeps the top blocks of the prompt's last row, so the first step too holds no more than the kept share. The
 new token's own key (appended by the attention itself) is left out of the ranking's softmax, a single key among
-hundreds. Each head's region keeps room for all its audio; a step's releases are applied (`store.flush`) before
-its recalls, so the resident count never exceeds what the head keeps.
+hundreds. The ranking stays on the device; its decision is data, a code per (head, block) (1 recall, 2 release),
+which the store queues (`queue_pages`) and applies in one flush before the layer's attention. Each head's region
+keeps room for all its audio, so a step's recalls always find room.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Oracle(Policy):
     label, color, marker, role = "Oracle (bound)", "0.45", "x", "bound"
     variants = (("Oracle, top tokens (bound)", (("granularity", "token"),), ":"),
                 ("Oracle, top 4 s blocks (bound)", (("granularity", "chunk"),), "-."))
-    graph_safe = False  # its per-step ranking and moves run on the host
+    graph_safe = False  # its ranking reads the dense part's length from the device, layer by layer
     cpu_tier = True
 
     granularity: str = "token"
@@ -62,7 +63,8 @@ class Oracle(Policy):
         sizes = sorted((min(self.block, n - b * self.block) for b in range(self.n_blocks)), reverse=True)
         self.k_blocks = int(np.searchsorted(np.cumsum(sizes), ctx.retention * n + 1e-9, side="right"))
         self.keys: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_audio, D) every audio key after RoPE
-        self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_audio) bool
+        self.resident: dict[int, torch.Tensor] = {}  # layer -> (H_kv, n_blocks) bool, on the device
+        self._block_of = torch.arange(n, device=ctx.device) // self.block  # (n_audio,) each position's block
         self.scale = ctx.head_dim ** -0.5
         self.recall_headroom = n  # any head may hold any of its positions (its region keeps them all)
 
@@ -77,38 +79,36 @@ class Oracle(Policy):
         # first answer token), so that no step, the first included, sees more than the kept share on the device.
         H, g = self.ctx.n_kv_heads, self.ctx.group
         last = (scores.last_window if scores.last_window is not None else scores.post_audio)[:, -1]
-        keep = self.keep_mask(last.float().view(H, g, -1).sum(dim=1))
-        self.resident[layer] = keep
+        blocks = self.keep_blocks(last.float().view(H, g, -1).sum(dim=1)).to(self.ctx.device)
+        self.resident[layer] = blocks
+        keep = self.positions(blocks).cpu()
         return Placement(keep, torch.ones_like(keep))  # every position mirrored on the host
 
     def true_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(H_kv, n_audio): the step's softmax weights at the audio positions, summed over each GQA group."""
         return true_audio_attention(q, self.keys[layer], self.store.dense_keys(layer), self.scale)
 
-    def keep_mask(self, attention: torch.Tensor) -> torch.Tensor:
-        """(H_kv, n_audio) bool: each head's top k_blocks blocks by attention mass (ties: the earlier block)."""
+    def keep_blocks(self, attention: torch.Tensor) -> torch.Tensor:
+        """(H_kv, n_blocks) bool: each head's top k_blocks blocks by attention mass (ties: the earlier block)."""
         H, n = attention.shape
         pad = self.n_blocks * self.block - n
         mass = torch.cat([attention, attention.new_zeros(H, pad)], dim=1).view(H, self.n_blocks, self.block).sum(-1)
         top = torch.sort(mass, dim=-1, descending=True, stable=True).indices[:, : self.k_blocks]
         keep_blocks = torch.zeros(H, self.n_blocks, dtype=torch.bool, device=attention.device)
-        keep_blocks.scatter_(1, top, True)
-        return keep_blocks.repeat_interleave(self.block, dim=1)[:, :n].cpu()
+        return keep_blocks.scatter_(1, top, True)
+
+    def positions(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(H_kv, n_audio) bool: the positions of the blocks set in `blocks` (H_kv, n_blocks)."""
+        return blocks.repeat_interleave(self.block, dim=1)[:, : self.ctx.n_audio]
 
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
         if layer not in self.keys:
             return
-        keep = self.keep_mask(self.true_attention(layer, q))
+        keep = self.keep_blocks(self.true_attention(layer, q))
         resident = self.resident[layer]
-        first_row = layer * self.ctx.n_kv_heads
-        heads, pos = np.nonzero((resident & ~keep).numpy())
-        if len(pos):
-            self.store.release(heads + first_row, pos)
-            self.store.flush(layer)  # the room the releases free is what the recalls fill
-        heads, pos = np.nonzero((keep & ~resident).numpy())
-        if len(pos):
-            self.store.recall(heads + first_row, pos)
-            self.store.flush(layer)  # in force for this layer's attention
+        codes = (keep & ~resident).to(torch.int8) + 2 * (resident & ~keep).to(torch.int8)
+        self.store.queue_pages(layer, self._block_of, codes)
+        self.store.flush(layer)  # in force for this layer's attention
         self.resident[layer] = keep
 
     def knobs(self) -> dict:

@@ -36,6 +36,23 @@ def test_wide_voices_and_text_domains_per_clip():
         assert audio.tobytes() == ref.tobytes()
 
 
+def test_a_share_of_the_clips_keeps_the_six_voices():
+    """`six_share`: about that share of the clips is spoken by the six voices at their rates (the shipped recipe's
+    clip, byte for byte), the others by the wide preset; 0 draws none."""
+    clips = NaturalClips(None, 5, 0, None, STAGES, 8, voices="train_wide", six_share=0.3)
+    picks = [clips.speakers_of(i) for i in range(400)]
+    six = [i for i, (v, _) in enumerate(picks) if v == V.SIX["en"]]
+    assert 0.22 < len(six) / 400 < 0.38
+    assert all(r == (120, 230) and v == V.PRESETS["train_wide"][0] for i, (v, r) in enumerate(picks) if i not in six)
+    index = six[0]
+    audio, words, timed = clips.clip(index, 4.0, 6.0)
+    ref, ref_words = synthesize_clip(TRAIN_SEED + 5, index, text="natural", text_split="train", voices=V.SIX["en"],
+                                     rate_range=(150, 200), min_seconds=4.0, max_seconds=6.0)
+    assert timed and words == ref_words and audio.tobytes() == ref.tobytes()
+    none = NaturalClips(None, 5, 0, None, STAGES, 8, voices="train_wide")
+    assert all(none.speakers_of(i)[0] == V.PRESETS["train_wide"][0] for i in range(50))
+
+
 def test_augmentation_is_deterministic_under_its_seed_and_moves_the_word_times():
     pytest.importorskip("pedalboard")
     from wnw_exp.train.augment import augment
@@ -69,7 +86,7 @@ def test_bad_options_are_one_clear_line(capsys):
     for argv, message in ((["--voices", "wide"], "no voice 'wide'"), (["--texts", "poems"], "choose among"),
                           (["--augment", "heavy"], "give off, light"), (["--augment", '{"speed": [1.2, 0.9]}'],
                                                                          "need min <= max"),
-                          (["--rate-range", "200"], "MIN,MAX")):
+                          (["--rate-range", "200"], "MIN,MAX"), (["--six-share", "1.5"], "fraction in [0, 1]")):
         with pytest.raises(SystemExit):
             main(["train", "--run-dir", "unused", *argv])
         assert message in capsys.readouterr().err

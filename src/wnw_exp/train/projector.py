@@ -93,13 +93,18 @@ class NaturalClips(IterableDataset):
     lengths. A fraction `shuffle` of the natural-text clips (drawn per clip index) speak their sentences with the
     words in a random order (`text="shuffled"`), which the decoder cannot complete from its own language model.
     `voices` (a preset name or names) and `rate_range` (None: the preset's) pick the speakers, `texts` the text
-    domains (one drawn per clip when there are several), `augment` an `Augment` recipe (None: off)."""
+    domains (one drawn per clip when there are several), `augment` an `Augment` recipe (None: off). A fraction
+    `six_share` of the clips (drawn per clip index) is spoken by the six voices at their rates instead, the shipped
+    weights' training voices, so that a wider mixture keeps them in view."""
 
     def __init__(self, tokenizer, seed: int, first_index: int, progress, stages, batch_windows: int,
                  shuffle: float = 0.0, voices="six", rate_range=None, texts=("natural",),
-                 augment: Augment | None = None):
+                 augment: Augment | None = None, six_share: float = 0.0):
         self.tokenizer, self.seed, self.first_index, self.progress = tokenizer, seed, first_index, progress
         self.stages, self.batch_windows, self.shuffle = stages, batch_windows, shuffle
+        if not 0.0 <= six_share <= 1.0:
+            raise ValueError(f"six_share={six_share}: give a fraction in [0, 1]")
+        self.six_share = six_share
         self.voices, preset_rates = voice_sets.resolve(voices, "en")
         self.rate_range = tuple(rate_range) if rate_range else (preset_rates or DEFAULT_RATE_RANGE)
         self.texts, self.augment = tuple(texts), augment
@@ -117,14 +122,21 @@ class NaturalClips(IterableDataset):
             return base
         return "shuffled" if np.random.default_rng([TRAIN_SEED + self.seed, index, 1]).random() < self.shuffle else "natural"
 
+    def speakers_of(self, index: int) -> tuple[tuple[str, ...], tuple[int, int]]:
+        """(voices, rate range) clip `index` draws its speaker from: the six voices for a `six_share` of the clips."""
+        if self.six_share > 0 and np.random.default_rng([TRAIN_SEED + self.seed, index, 6]).random() < self.six_share:
+            return voice_sets.SIX["en"], voice_sets.SIX_RATES
+        return self.voices, self.rate_range
+
     def clip(self, index: int, lo: float, hi: float):
         """Training clip `index` (audio, words, whether its words are timed) of `lo`-`hi` seconds, augmented."""
         seed = TRAIN_SEED + self.seed
-        audio, words = synthesize_clip(seed, index, text=self.text_of(index), text_split="train", voices=self.voices,
-                                       rate_range=self.rate_range, min_seconds=lo, max_seconds=hi)
+        voices, rates = self.speakers_of(index)
+        audio, words = synthesize_clip(seed, index, text=self.text_of(index), text_split="train", voices=voices,
+                                       rate_range=rates, min_seconds=lo, max_seconds=hi)
         if self.augment is not None:
             audio, words = augment(audio, words, self.augment, np.random.default_rng([seed, index, 3]))
-        return audio, words, not piper_voices.is_neural(clip_voice(seed, index, self.voices))
+        return audio, words, not piper_voices.is_neural(clip_voice(seed, index, voices))
 
     def __iter__(self):
         info = get_worker_info()
@@ -406,7 +418,7 @@ def train(args: argparse.Namespace) -> None:
     progress = mp.Value("d", 0.0)
     stream = NaturalClips(tokenizer, args.seed, meta["next_index"], progress, stages, args.batch_windows,
                           shuffle=args.shuffle_words, voices=args.voices, rate_range=args.rate_range,
-                          texts=args.texts, augment=args.augment)
+                          texts=args.texts, augment=args.augment, six_share=args.six_share)
     loader = DataLoader(stream, batch_size=None, num_workers=args.workers, pin_memory=device.type == "cuda",
                         prefetch_factor=4 if args.workers else None)
     extractor = WhisperFeatureExtractor(feature_size=80)
@@ -639,6 +651,16 @@ def _pair_arg(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _fraction_arg(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = -1.0
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction in [0, 1], e.g. 0.3")
+    return x
+
+
 def _texts_arg(text: str) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     bad = [t for t in names if t not in TEXTS or t == "shuffled"]
@@ -683,6 +705,8 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"a voice preset ({', '.join(voice_sets.PRESET_NAMES)}) or comma-separated voice names")
     t.add_argument("--rate-range", default=None, type=_pair_arg,
                    help="MIN,MAX words per minute (default: the preset's)")
+    t.add_argument("--six-share", default=0.0, type=_fraction_arg,
+                   help="fraction of the clips spoken by the six voices at 150-200 wpm whatever --voices says (0: none)")
     t.add_argument("--texts", default=("natural",), type=_texts_arg,
                    help="comma-separated text domains drawn per clip (natural, kjv, random)")
     t.add_argument("--augment", default=None, type=_augment_arg,

@@ -1,5 +1,5 @@
 """ArkVale's step 5 decision for one layer in one Triton kernel (one program per KV head), for the packed store's
-Triton path inside a CUDA graph: what `ArkVale.swap_pages` does in some 40 small PyTorch kernels.
+Triton path inside a CUDA graph: what `ArkVale.swap_pages` does in many small PyTorch kernels.
 
 Per head: page scores (sum_d max(q_d hi_d, q_d lo_d), the mean over the head's query group, in float32), the top-k
 pages by score (ties: the lower page), the missing ones (top-k, not resident) and as many victims (resident, not in

@@ -256,17 +256,17 @@ def table3(matcher: Matcher, models: list[str]) -> Table:
         points = [(30, 0.1), (90, 0.2)] if paper else [(None, 0.1), (None, 0.2)]
         head = " | ".join(f"nv{nv}/{r:g}" if nv else f"auto/{r:g}" for nv, r in points)
         t.rows.append(f"{prefix}(A2) Prefill selection | {head}")
-        for sel, label in (("segment", "per-segment (ours)"), ("global", "global top-k")):
-            row = [Out(label)]
+        for sel, name in (("segment", "per-segment (ours)"), ("global", "global top-k")):
+            row = [Out(name)]
             for nv, r in points:
                 knobs = (("selection", sel),) + ((("n_voice", nv),) if nv else ())
                 row.append(b.value(Cell(model, role, "wnw", r, knobs)))
             t.rows.append(row)
         nv, r = points[0]
         t.rows.append(f"{prefix}(A3) Triage signal at {'nv30' if nv else 'auto'}/r_GPU={r:g} | WER | ")
-        for sig, label in (("vs_hs", "VS x HS (ours)"), ("hs", "HS only"), ("vs", "VS only")):
+        for sig, name in (("vs_hs", "VS x HS (ours)"), ("hs", "HS only"), ("vs", "VS only")):
             knobs = (("signal", sig),) + ((("n_voice", nv),) if nv else ())
-            t.rows.append([Out(label), b.value(Cell(model, role, "wnw", r, knobs)), Out("")])
+            t.rows.append([Out(name), b.value(Cell(model, role, "wnw", r, knobs)), Out("")])
     t.notes += _stand_in_notes(matcher, models, [role])
     t.notes.append("A sub-table's header line names its columns. A2's per-segment cells are the A1 runs at the "
                    "same point; A1 at r=0.2, n_voice=90 is also Table 5's WnW run.")

@@ -155,7 +155,6 @@ class NaturalClips(IterableDataset):
                 w = to_windows(audio)
                 if used and used + len(w) > self.batch_windows:
                     break
-                text = " ".join(x.text for x in words)
                 ids, frames = answer_and_frame_targets(self.tokenizer, words, len(w) * TOKENS_PER_WINDOW)
                 if not timed:  # a neural voice: its words carry sentence spans, no frame targets
                     frames[:] = -100

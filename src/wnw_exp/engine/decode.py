@@ -90,9 +90,9 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
     return DecodePath(store, bool(fused), bool(graph), kernels)
 
 
-# eager steps before a CUDA graph is captured: they compile the kernels, allocate the buffers and build the tables
-# that must not be built inside a capture. One does all of that, and each eager step of a large batch costs tens
-# of ms (docs/gpu.md), so there is one; WNW_WARM_STEPS overrides it, for measurements
+# Eager steps before a CUDA graph is captured: they compile the kernels, allocate the buffers and build the tables
+# that must not be built inside a capture. One step does all of that and eager steps of a large batch are slow, so
+# the default is one; the environment variable WNW_WARM_STEPS sets another count.
 WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 

@@ -49,9 +49,10 @@ assert len(FIELDS) + 1 == NF
 
 
 @triton.jit
-def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _NF):
-    """The tensor `j` (a pointer to `ty`) of the stores `s` (a scalar or a vector of store indices), in a table of
-    rows of NF fields (`FlushTables.ptrs` by default; `SegmentQueueTables` has its own)."""
+def table_field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _NF):
+    """The tensor `j` (a pointer to `ty`) of the entries `s` (a scalar or a vector of indices), in a table of rows
+    of NF fields (`FlushTables.ptrs` by default; `SegmentQueueTables` and `triton_swap.ChunkSwapTables` pass their
+    own NF): the address-table lookup of every multi-stream launch."""
     return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
 
 
@@ -61,11 +62,11 @@ def _flush_kernel(tbl, row_st_ptr, row_r_ptr, row_m_ptr, scr_off_ptr, scratch_pt
     i = tl.program_id(0)
     st = tl.load(row_st_ptr + i)
     r = tl.load(row_r_ptr + i).to(tl.int64)
-    rec_ptr, rel_ptr = _field(tbl, st, _REC, tl.int8), _field(tbl, st, _REL, tl.int8)
-    slot_of_ptr, pos_ptr = _field(tbl, st, _SLOT_OF, tl.int32), _field(tbl, st, _POS, tl.int32)
+    rec_ptr, rel_ptr = table_field(tbl, st, _REC, tl.int8), table_field(tbl, st, _REL, tl.int8)
+    slot_of_ptr, pos_ptr = table_field(tbl, st, _SLOT_OF, tl.int32), table_field(tbl, st, _POS, tl.int32)
     N = tl.load(tbl + st * _NF + _N)
-    base = tl.load(_field(tbl, st, _BASE, tl.int32) + r).to(tl.int64)
-    cap = tl.load(_field(tbl, st, _CAP, tl.int32) + r).to(tl.int64)
+    base = tl.load(table_field(tbl, st, _BASE, tl.int32) + r).to(tl.int64)
+    cap = tl.load(table_field(tbl, st, _CAP, tl.int32) + r).to(tl.int64)
     scr = scratch_ptr + tl.load(scr_off_ptr + i)  # this row's scratch: its recalled positions, cap of them at most
     lane = tl.arange(0, SCAN)
     row_n = r * N
@@ -104,8 +105,8 @@ def _flush_kernel(tbl, row_st_ptr, row_r_ptr, row_m_ptr, scr_off_ptr, scratch_pt
         tl.store(pos_ptr + base + s, p, mask=fill)
         tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
         n_free += tl.sum(free.to(tl.int32), 0)
-    tl.atomic_add(_field(tbl, st, _OVERFLOW, tl.int64), tl.maximum(n_rec - n_free, 0).to(tl.int64), mask=busy)
-    tl.atomic_add(_field(tbl, st, _RECALLED, tl.int64), tl.minimum(n_rec, n_free).to(tl.int64), mask=busy)
+    tl.atomic_add(table_field(tbl, st, _OVERFLOW, tl.int64), tl.maximum(n_rec - n_free, 0).to(tl.int64), mask=busy)
+    tl.atomic_add(table_field(tbl, st, _RECALLED, tl.int64), tl.minimum(n_rec, n_free).to(tl.int64), mask=busy)
     tl.debug_barrier()
     # 2. releases, and the row's resident count and scan length (rebuilt where anything was queued)
     n_res = 0
@@ -121,8 +122,8 @@ def _flush_kernel(tbl, row_st_ptr, row_r_ptr, row_m_ptr, scr_off_ptr, scratch_pt
         keep = occ & ~gone
         n_res += tl.sum(keep.to(tl.int32), 0)
         high = tl.maximum(high, tl.max(tl.where(keep, (s + 1).to(tl.int32), 0), 0))
-    tl.store(_field(tbl, st, _N_RES, tl.int64) + r, n_res.to(tl.int64), mask=busy)
-    tl.store(_field(tbl, st, _ALEN, tl.int32) + r, high.to(tl.int32), mask=busy)
+    tl.store(table_field(tbl, st, _N_RES, tl.int64) + r, n_res.to(tl.int64), mask=busy)
+    tl.store(table_field(tbl, st, _ALEN, tl.int32) + r, high.to(tl.int32), mask=busy)
     for p0 in range(0, tl.where(busy, N, 0), SCAN):
         p = p0 + lane
         m = p < N
@@ -144,10 +145,10 @@ def _copy_list_kernel(tbl, pair_st_ptr, pair_src_ptr, pair_dst_ptr, cnt_ptr, W: 
         dst = tl.load(pair_dst_ptr + k, mask=m, other=0).to(tl.int64)[:, None] * W + cols[None, :]
         m2 = m[:, None]
         # both host reads are issued before either store, so a tile has K's and V's reads in flight together
-        k_rows = tl.load(_field(tbl, st, _HK, tl.int16)[:, None] + src, mask=m2)
-        v_rows = tl.load(_field(tbl, st, _HV, tl.int16)[:, None] + src, mask=m2)
-        tl.store(_field(tbl, st, _AK, tl.int16)[:, None] + dst, k_rows, mask=m2)
-        tl.store(_field(tbl, st, _AV, tl.int16)[:, None] + dst, v_rows, mask=m2)
+        k_rows = tl.load(table_field(tbl, st, _HK, tl.int16)[:, None] + src, mask=m2)
+        v_rows = tl.load(table_field(tbl, st, _HV, tl.int16)[:, None] + src, mask=m2)
+        tl.store(table_field(tbl, st, _AK, tl.int16)[:, None] + dst, k_rows, mask=m2)
+        tl.store(table_field(tbl, st, _AV, tl.int16)[:, None] + dst, v_rows, mask=m2)
     # the last program to finish empties the list for the next flush (every program has read n by then)
     tl.debug_barrier()
     last = tl.atomic_add(cnt_ptr + 1, 1) == G - 1
@@ -288,11 +289,15 @@ def _segment_queue_tables_kernel(tbl, BLOCK: tl.constexpr):
     st = tl.program_id(1)
     n = tl.load(tbl + st * _QNF + _Q_NPAIRS)
     if tl.program_id(0) * BLOCK < n:
-        _queue_segments_block(_field(tbl, st, _Q_ROWS, tl.int64, _QNF), _field(tbl, st, _Q_POS, tl.int64, _QNF),
-                              _field(tbl, st, _Q_SEG, tl.int64, _QNF), _field(tbl, st, _Q_RECALL, tl.int8, _QNF),
-                              _field(tbl, st, _Q_RELEASE, tl.int8, _QNF), _field(tbl, st, _Q_SLOT_OF, tl.int32, _QNF),
-                              _field(tbl, st, _Q_ON_HOST, tl.int8, _QNF), _field(tbl, st, _Q_QREC, tl.int8, _QNF),
-                              _field(tbl, st, _Q_QREL, tl.int8, _QNF), tl.program_id(0), n,
+        _queue_segments_block(table_field(tbl, st, _Q_ROWS, tl.int64, _QNF),
+                              table_field(tbl, st, _Q_POS, tl.int64, _QNF),
+                              table_field(tbl, st, _Q_SEG, tl.int64, _QNF),
+                              table_field(tbl, st, _Q_RECALL, tl.int8, _QNF),
+                              table_field(tbl, st, _Q_RELEASE, tl.int8, _QNF),
+                              table_field(tbl, st, _Q_SLOT_OF, tl.int32, _QNF),
+                              table_field(tbl, st, _Q_ON_HOST, tl.int8, _QNF),
+                              table_field(tbl, st, _Q_QREC, tl.int8, _QNF),
+                              table_field(tbl, st, _Q_QREL, tl.int8, _QNF), tl.program_id(0), n,
                               tl.load(tbl + st * _QNF + _Q_N), BLOCK)
 
 
@@ -377,16 +382,16 @@ def queue_pages(codes: torch.Tensor, page_of: torch.Tensor, row0: int, slot_of: 
 @triton.jit
 def _record_step_kernel(tbl, BLOCK: tl.constexpr):
     st = tl.program_id(0)
-    n_res_ptr = _field(tbl, st, 0, tl.int64, 6)
+    n_res_ptr = table_field(tbl, st, 0, tl.int64, 6)
     R = tl.load(tbl + st * 6 + 5)
     total = tl.zeros([BLOCK], tl.int64)
     for r0 in range(0, R, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         total += tl.load(n_res_ptr + r, mask=r < R, other=0)
-    n_rec_ptr = _field(tbl, st, 2, tl.int64, 6)
+    n_rec_ptr = table_field(tbl, st, 2, tl.int64, 6)
     at = tl.load(n_rec_ptr)
-    tl.store(_field(tbl, st, 3, tl.int64, 6) + at, tl.sum(total, 0))
-    tl.store(_field(tbl, st, 4, tl.int64, 6) + at, tl.load(_field(tbl, st, 1, tl.int64, 6)))
+    tl.store(table_field(tbl, st, 3, tl.int64, 6) + at, tl.sum(total, 0))
+    tl.store(table_field(tbl, st, 4, tl.int64, 6) + at, tl.load(table_field(tbl, st, 1, tl.int64, 6)))
     tl.store(n_rec_ptr, at + 1)
 
 

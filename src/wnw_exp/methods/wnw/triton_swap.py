@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from wnw_exp.kv.triton_moves import table_field
+
 # The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses), then its sizes.
 (_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
  _DELTA) = (tl.constexpr(j) for j in range(16))
@@ -33,20 +35,16 @@ _NF = tl.constexpr(NF)
 
 
 @triton.jit
-def _field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr):
-    """Tensor `j` (a pointer to `ty`) of stream `s` in a table of rows of NF fields."""
-    return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
-
-
-@triton.jit
 def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
     st = tl.program_id(0)
-    a_ptr, rec_ptr = _field(tbl, st, _A, tl.float32, _NF), _field(tbl, st, _RECALLED, tl.int8, _NF)
-    unsel_ptr, sel_ptr = _field(tbl, st, _UNSEL, tl.int64, _NF), _field(tbl, st, _SEL, tl.int8, _NF)
-    recall_ptr, release_ptr = _field(tbl, st, _RECALL, tl.int8, _NF), _field(tbl, st, _RELEASE, tl.int8, _NF)
-    t_ptr, rec_res_ptr = _field(tbl, st, _T, tl.int64, _NF), _field(tbl, st, _R_RES, tl.int64, _NF)
-    rec_sel_ptr, rec_recall_ptr = _field(tbl, st, _R_SEL, tl.int8, _NF), _field(tbl, st, _R_RECALL, tl.int8, _NF)
-    rec_release_ptr = _field(tbl, st, _R_RELEASE, tl.int8, _NF)
+    a_ptr, rec_ptr = table_field(tbl, st, _A, tl.float32, _NF), table_field(tbl, st, _RECALLED, tl.int8, _NF)
+    unsel_ptr, sel_ptr = table_field(tbl, st, _UNSEL, tl.int64, _NF), table_field(tbl, st, _SEL, tl.int8, _NF)
+    recall_ptr = table_field(tbl, st, _RECALL, tl.int8, _NF)
+    release_ptr = table_field(tbl, st, _RELEASE, tl.int8, _NF)
+    t_ptr, rec_res_ptr = table_field(tbl, st, _T, tl.int64, _NF), table_field(tbl, st, _R_RES, tl.int64, _NF)
+    rec_sel_ptr = table_field(tbl, st, _R_SEL, tl.int8, _NF)
+    rec_recall_ptr = table_field(tbl, st, _R_RECALL, tl.int8, _NF)
+    rec_release_ptr = table_field(tbl, st, _R_RELEASE, tl.int8, _NF)
     N, n_s = tl.load(tbl + st * _NF + _N), tl.load(tbl + st * _NF + _NS)
     n_c, top_k = tl.load(tbl + st * _NF + _NC), tl.load(tbl + st * _NF + _TOPK)
     delta = tl.load(tbl + st * _NF + _DELTA)

@@ -231,12 +231,35 @@ def scripted_wnw_class(n_audio: int, steps: int, speed: float, beta: float, reca
                                                     alpha=beta * self._mass)
                 self._s += 1
 
+        tabled_signals = True  # a batch seated in a bucket's step: one launch through tables (scripted_signal.py)
+
         @classmethod
-        def _adjust_signals(cls, together):
-            """A batch's scripted signals in five launches, not four per stream: the scripted signal stands in
-            for the anchor heads' attention, which the real method already sums in the batched step's body
-            (`ObserverSum`); its own cost is the benchmark's, not WnW's. The streams of one audio length share one
-            table of bumps; each keeps its own step counter."""
+        def _signal_tables(cls, policies, held):
+            """The bucket's scripted-signal tables, rewritten in place for `policies` (outside a capture)."""
+            from scripted_signal import SignalTables
+
+            tables = held.get("signal_tables")
+            if tables is None or tables.key != [id(p) for p in policies]:
+                if tables is None or not tables.bind(policies):
+                    tables = held["signal_tables"] = SignalTables(held["capacity"], policies[0].ctx.device)
+                    tables.bind(policies)
+            return tables
+
+        @classmethod
+        def prepare_step_all(cls, policies, held):
+            super().prepare_step_all(policies, held)
+            if held.get("capacity") is not None:
+                cls._signal_tables([p for p in policies if cls._joins(p)], held)
+
+        @classmethod
+        def _adjust_signals(cls, together, held=None):
+            """A batch's scripted signals in five launches, not four per stream (in a bucket's step, one launch
+            through its tables): the scripted signal stands in for the anchor heads' attention, which the real
+            method already sums in the batched step's body (`ObserverSum`); its own cost is the benchmark's, not
+            WnW's. The streams of one audio length share one table of bumps; each keeps its own step counter."""
+            if held is not None and held.get("capacity") is not None and all(i != -1 for _, i in together):
+                cls._signal_tables([p for p, _ in together], held)(beta)
+                return
             groups: dict = {}
             for p, i in together:
                 if i != -1:

@@ -636,13 +636,13 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
     import wnw_exp.kv.packed as packed
 
     dev = _triton_device()
-    flushes = []  # per batched flush: (its stores, their movable rows, the rows its tables flush)
+    flushes = []  # per batched flush: (its stores, their movable rows, the stores' rows its tables flush)
 
     def counted(stores, held=None, launch=True):
         packed_flush(stores, held, launch)
         if launch:  # (launch=False builds a composition's tables before its capture)
             flushes.append((len(stores), sum(len(s._flush_blocks()[None]["rows"]) for s in stores),
-                            held["tables"].n_rows))
+                            held["tables"].n_store_rows))
 
     packed_flush = packed.flush_stores
     monkeypatch.setattr(packed, "flush_stores", counted)
@@ -669,6 +669,47 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
             assert same == len(a.tokens) == len(b.tokens) and b.trace == a.trace
         assert same >= 1
         assert max(float((x - y).abs().max()) for x, y in zip(a.logits[:same], b.logits[:same])) < tol
+
+
+@pytest.mark.parametrize("method", ["full", "wnw"])
+def test_a_bucket_step_and_its_tables_serve_every_composition_that_fits(method, monkeypatch):
+    """With the Triton kernels a batch runs in its bucket's step (`BatchedFusedStep` with a capacity): a join or a
+    leave seats the new composition in place (`bind`), so one step per bucket is made, its launch tables are
+    rewritten rather than made anew (the addresses a CUDA graph holds stay valid), the runner (and graph) of a
+    composition shape is made once, and every stream still gives bs 1's tokens, logits and traces."""
+    import wnw_exp.engine.decode as decode
+    from wnw_exp.engine.step import BatchedFusedStep
+
+    dev = _triton_device()
+    made, runners = [], []
+    init, runner_init = BatchedFusedStep.__init__, decode.TokenRunner.__init__
+    monkeypatch.setattr(BatchedFusedStep, "__init__", lambda self, *a, **k: (made.append(k.get("capacity")),
+                                                                             init(self, *a, **k))[1])
+    monkeypatch.setattr(decode.TokenRunner, "__init__", lambda self, step, *a, **k: (
+        runners.append(isinstance(step, BatchedFusedStep)), runner_init(self, step, *a, **k))[1])
+    bb = _backbone("voxtral")
+    bb.model.to(dev)
+    path = dict(store="packed", fused=True, kernels="triton")
+    pool = KVPool(50_000, bb.head_dim, bb.dtype, dev)
+    caps, seconds = (6, 3, 5, 4), (8.0, 6.0, 7.0, 6.0)
+    solo, batched, stats = _solo_and_batched(bb, method, path, pool=pool, caps=caps, seconds=seconds,
+                                             max_concurrent=2)
+    compositions = 1 + sum(stats.step_build_ms[j] > 0 for j in range(1, len(stats.step_build_ms)))
+    assert max(stats.batch_sizes) == 2 and compositions >= 4
+    assert sorted(made) == [1, 2]  # one step per bucket, however often the batch changed
+    assert sum(runners) == 2 < compositions  # one runner (and graph) per bucket and shape
+    for i, a in enumerate(solo):
+        b = batched[i]
+        assert b.tokens == a.tokens and b.trace == a.trace and b.store_summary == a.store_summary
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
+    assert pool.used_blocks == 0
+
+
+def test_bucket_sizes():
+    from wnw_exp.engine.decode import BUCKETS, bucket_for
+
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 9, 13, 33, 64, 65, 130)] == [1, 2, 4, 8, 12, 16, 40, 64, 128, 192]
+    assert all(bucket_for(b) == b for b in BUCKETS)
 
 
 def test_batched_step_in_triton_on_a_paged_pool_with_preemption():

@@ -311,6 +311,8 @@ class TokenRunner:
         self.step, self.dev, self.side = step, dev, side
         self.warm_steps = WARM_STEPS if warm_steps is None else warm_steps
         self.graph: CapturedStep | None = None
+        self.graph_logits = None
+        self.last = "eager"  # what the last token was: "eager", "capture" or "replay"
         self.warm = None
         self.n = 0  # tokens run
 
@@ -325,17 +327,23 @@ class TokenRunner:
             torch.cuda.current_stream(self.dev).wait_stream(self.side)
 
     def __call__(self, i: int, after, graph: bool) -> None:
+        captured = False
         if self.graph is None and graph and self.n >= self.warm_steps:
             if self.warm is not None:
                 torch.cuda.current_stream(self.dev).wait_stream(self.warm)
             try:
                 self.graph = CapturedStep(lambda: self._token(None, after))
+                self.graph_logits = self.step.logits  # this graph's output (a step may serve several graphs)
+                captured = True
             except Exception:  # noqa: BLE001 - a capture without warm-up steps: warm up instead (a real failure
                 if self.n >= WARM_STEPS:  # after them raises)
                     raise
                 self.warm_steps = WARM_STEPS
+        self.last = "eager"
         if self.graph is not None:
-            self.graph()
+            self.last = "capture" if captured else "replay"
+            self.graph()  # (a capture records the token; the replay runs it)
+            self.step.logits = self.graph_logits
         elif graph:
             self.warm = self.warm or torch.cuda.Stream(self.dev)
             self.warm.wait_stream(torch.cuda.current_stream(self.dev))
@@ -371,18 +379,12 @@ def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, 
                 tokens.append(e)
         return tokens, [st.step.logits for st in active] if keep_logits else None
     graph = all(st.path.graph and st.store.graph_safe for st in active)
-    if "runner" not in batched:
+    if "runner" not in batched:  # a new composition of the batch
         t0 = time.perf_counter()
-        step = BatchedFusedStep(backbone, active, active[0].path.kernels)
-        batched["warm_key"] = key = _warm_key(active)
-        warm_steps = None
-        if graph and warmed is not None and key in warmed:  # compiled: build the tables, capture the first token
-            _prepare_after_all(active, batched)
-            warm_steps = 0
-        batched["runner"] = TokenRunner(step, backbone.device, side, warm_steps)
+        batched["runner"] = _compose(backbone, active, batched, side, graph, warmed)
         batched["build_ms"] = (time.perf_counter() - t0) * 1e3  # host time, read by decode_batch's stats
     runner = batched["runner"]
-    step = runner.step
+    step, held = runner.step, batched["held"]
 
     def after_all(i: int | None) -> None:  # every decision, then every store's moves in one flush
         from wnw_exp.kv.packed import flush_stores, record_steps
@@ -390,15 +392,91 @@ def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, 
         t0 = time.perf_counter()
         for cls, sts in _policy_groups(active):  # the policies of one class decide together
             cls.after_step_all([st.policy for st in sts], [None if i is None else st.index for st in sts],
-                               batched.setdefault(("after_step", cls), {}))
-        flush_stores([st.store for st in active], batched.setdefault("flush", {}))
-        record_steps([st.store for st in active], batched.setdefault("record", {}))
+                               _held(held, ("after_step", cls)))
+        flush_stores([st.store for st in active], _held(held, "flush"))
+        record_steps([st.store for st in active], _held(held, "record"))
         batched["after_ms"] = (time.perf_counter() - t0) * 1e3  # host time (not called by a graph's replay)
 
     runner(0, after_all, graph=graph)
     if warmed is not None and graph:  # this batch shape's kernels have run (eagerly or in a capture)
         warmed.add(batched["warm_key"])
-    return step.tok.view(-1).tolist(), list(step.logits) if keep_logits else None
+    n = len(active)
+    return step.tok.view(-1)[:n].tolist(), list(step.logits[:n]) if keep_logits else None
+
+
+# Batch-size buckets: a batch of n streams on the reusable path runs in the smallest bucket >= n (then multiples
+# of 64), its rows past n empty. One step, its tables and its CUDA graphs per bucket serve every composition that
+# fits it.
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64)
+
+
+def bucket_for(n: int) -> int:
+    """The bucket a batch of `n` streams runs in."""
+    return next((b for b in BUCKETS if b >= n), -(-n // 64) * 64)
+
+
+def _compose(backbone: Backbone, active: list[Stream], batched: dict, side, graph: bool, warmed: set | None):
+    """The runner of a new composition `active`. Where the streams' methods allow it (`Policy.graph_reusable`, on
+    the Triton kernels) the composition is seated in its bucket's step (`BatchedFusedStep.bind`), the bucket's
+    tables are rewritten in place (`_prepare_after_all`), and a CUDA graph that bucket captured before with the same
+    step generation, key bounds and tables replays at once: no capture, no eager step. Otherwise a step is made for
+    this composition alone, captured after its warm-up (at its first step where a composition of the same shape,
+    `_warm_key`, ran before)."""
+    kernels = active[0].path.kernels
+    groups = _policy_groups(active)
+    reusable = kernels == "triton" and all(cls.graph_reusable([st.policy for st in sts]) for cls, sts in groups)
+    if reusable:
+        C = bucket_for(len(active))
+        bk = batched.setdefault("buckets", {}).get(C)
+        if bk is None:
+            step = BatchedFusedStep(backbone, active, kernels, capacity=C)
+            bk = batched["buckets"][C] = dict(step=step, held={"capacity": C}, runners={})
+        else:
+            bk["step"].bind(active)
+        step = bk["step"]
+        if not step.hooks_before and not any(step.observe):  # no per-stream launch in the step itself
+            held = batched["held"] = bk["held"]
+            _prepare_after_all(active, held)
+            shape = (C, step.generation, tuple(step.max_keys), tuple(cls.__qualname__ for cls, _ in groups))
+            tables = _tables(held)
+            key = shape + tuple(sorted(id(t) for t in tables))
+            batched["warm_key"] = ("bucket",) + shape
+            runner = bk["runners"].get(key)
+            if runner is None:
+                stale = [k for k in bk["runners"] if k[1] != step.generation]  # graphs over buffers made anew
+                for k in stale:
+                    del bk["runners"][k]
+                compiled = graph and warmed is not None and batched["warm_key"] in warmed
+                runner = bk["runners"][key] = TokenRunner(step, backbone.device, side, 0 if compiled else None)
+                runner.tables = tables  # (alive while its graph may replay: their identities stay unique)
+            return runner
+    step = BatchedFusedStep(backbone, active, kernels)
+    batched["held"] = {}
+    batched["warm_key"] = key = _warm_key(active)
+    warm_steps = None
+    if graph and warmed is not None and key in warmed:  # compiled: build the tables, capture the first token
+        _prepare_after_all(active, batched["held"])
+        warm_steps = 0
+    return TokenRunner(step, backbone.device, side, warm_steps)
+
+
+def _held(held: dict, key) -> dict:
+    """held[key], made with the batch's capacity (if any) at its first use."""
+    d = held.get(key)
+    if d is None:
+        d = held[key] = {"capacity": held["capacity"]} if "capacity" in held else {}
+    return d
+
+
+def _tables(held: dict) -> list:
+    """The launch tables in a bucket's `held` (a graph captured over them replays only with the same tables)."""
+    out = []
+    for k, v in held.items():
+        if isinstance(v, dict):
+            out += _tables(v)
+        elif k != "capacity" and hasattr(v, "bind"):
+            out.append(v)
+    return out
 
 
 def place(policy, store, layer: int, scores: PrefillScores) -> None:
@@ -421,15 +499,15 @@ def _policy_groups(active: list[Stream]) -> list[tuple[type, list[Stream]]]:
     return list(groups.items())
 
 
-def _prepare_after_all(active: list[Stream], batched: dict) -> None:
+def _prepare_after_all(active: list[Stream], held: dict) -> None:
     """The tables that a batch's decisions and moves launch from (`Policy.prepare_step_all`, `kv.packed`'s
     `flush_stores` and `record_steps` with `launch=False`), built before a capture that has no eager step first."""
     from wnw_exp.kv.packed import flush_stores, record_steps
 
     for cls, sts in _policy_groups(active):
-        cls.prepare_step_all([st.policy for st in sts], batched.setdefault(("after_step", cls), {}))
-    flush_stores([st.store for st in active], batched.setdefault("flush", {}), launch=False)
-    record_steps([st.store for st in active], batched.setdefault("record", {}), launch=False)
+        cls.prepare_step_all([st.policy for st in sts], _held(held, ("after_step", cls)))
+    flush_stores([st.store for st in active], _held(held, "flush"), launch=False)
+    record_steps([st.store for st in active], _held(held, "record"), launch=False)
 
 
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included

@@ -141,9 +141,11 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
     result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
     `generate`: the same arithmetic, byte for byte); on the fused path with a pool one `BatchedFusedStep` steps
-    every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions),
-    and on CUDA one CUDA graph per composition of the batch is captured after `WARM_STEPS` eager steps (at its first
-    step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
+    every running stream at once (GEMMs over the batch, one attention launch over every stream's ragged regions).
+    On CUDA its steps run as CUDA graphs: where the methods allow it (`Policy.graph_reusable`), one step per
+    batch-size bucket seats each new composition in place and replays the graph the bucket captured before
+    (`engine.decode.step_streams`); otherwise one graph per composition is captured after `WARM_STEPS` eager steps
+    (at its first step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
     """
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
@@ -156,7 +158,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     exhausted = False
     active: list[Stream] = []
     admitting: tuple[Stream, Iterator] | None = None
-    batched: dict = {}  # the fused path's step for the current composition (and its graph)
+    batched: dict = {}  # the fused path's runner for the current composition, and each bucket's step and graphs
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     if overlap_prefill and dev.type != "cuda":
         raise ValueError("overlap_prefill runs a prefill on its own CUDA stream: it needs a CUDA device")
@@ -218,7 +220,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                         if joined:
                             stats.joined_at[st.key] = len(stats.batch_sizes)
                             active.append(st)
-                            batched.clear()
+                            _recompose(batched)
                         else:  # its first token ended it
                             result = st.result()
                             _leave(st)
@@ -248,12 +250,11 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             yield st.key, e
             laps.lap("caller")
         if preempted or failed_growth:
-            batched.clear()
+            _recompose(batched)
             waiting_for_room = False
             if not active:
                 continue
         laps.lap("loop")
-        replayed = getattr(batched.get("runner"), "graph", None) is not None
         try:
             tokens, logits = step_streams(backbone, active, batched, side, keep_logits, warmed)
         except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
@@ -269,7 +270,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         stats.step_at.append(laps.t)
         stats.batch_sizes.append(len(active))
         stats.step_ms.append(ms)
-        stats.step_kinds.append(_step_kind(batched.get("runner"), replayed))
+        stats.step_kinds.append(batched["runner"].last if "runner" in batched else "eager")
         stats.step_build_ms.append(batched.pop("build_ms", 0.0))
         stats.step_after_ms.append(batched.pop("after_ms", 0.0))
         failed = {}
@@ -290,16 +291,15 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 yield st.key, result
                 laps.lap("caller")
             active = [st for st in active if not st.done]
-            batched.clear()
+            _recompose(batched)
             waiting_for_room = False
 
 
-def _step_kind(runner, replayed: bool) -> str:
-    """What a batched step just was: "replay" (of the composition's CUDA graph), "capture" (the step that recorded
-    it), or "eager" (warm-up steps, and every step off the graph path)."""
-    if replayed:
-        return "replay"
-    return "capture" if getattr(runner, "graph", None) is not None else "eager"
+def _recompose(batched: dict) -> None:
+    """The batch's composition changed: its next step seats the new one (`step_streams`), keeping each bucket's
+    step, tables and graphs."""
+    for k in ("runner", "held", "warm_key"):
+        batched.pop(k, None)
 
 
 def default_pool(backbone: Backbone, gb: float | None = None, fraction: float = 0.8, host_gb: float | None = None,

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from wnw_exp.backbones.layer import decoder_layer
-from wnw_exp.kv.packed import advance_stores
+from wnw_exp.kv.packed import BatchLayout
+from wnw_exp.methods.base import Policy
 
 
 class TorchStep:
@@ -152,21 +152,29 @@ class BatchedFusedStep:
 
     Every GEMM runs once for the batch (B rows: the weights are read once per step, which is what batching buys),
     RoPE and the KV append run in one launch, and each layer's attention is one launch over every (stream, KV
-    head) ragged region of the pool (`decode_attention_batched`). The methods stay per stream: each stream's
-    policy gets its own query row in `before_attention` and its own observer weights in `observe`, and the engine
-    runs each stream's decision and moves between `body()` and `head()`. Made for one set of streams (a
-    composition of the batch); the engine makes a new one when a stream joins or leaves.
+    head) ragged region of the pool (`decode_attention_batched`), from the attention metadata the stores give in one
+    launch (`kv.packed.BatchLayout`). The methods stay per stream: each stream's policy gets its own query row in
+    `before_attention` and its own observer weights in `observe` (or, summing them, one `ObserverSum` launch for
+    all), and the engine runs each stream's decision and moves between `body()` and `head()`.
+
+    With `capacity` (Triton kernels) the buffers have that many rows and `bind(streams)` seats another set of up
+    to that many streams in place (rows past theirs run on nothing): every launch reads the streams through
+    buffers and address tables rewritten in place, so a CUDA graph captured over the step replays for any set of
+    streams it can seat, as long as `generation` (bumped where a buffer had to be made anew) and `max_keys` are
+    those it was captured with and the methods' hooks allow it (`Policy.graph_reusable`). Without, it is made for
+    one set of streams (a composition of the batch).
     """
 
-    def __init__(self, backbone, streams, kernels: str = "triton"):
-        self.streams = list(streams)
-        stores = [st.store for st in self.streams]
-        self.pool = stores[0].pool
-        if self.pool is None or any(s.pool is not self.pool or s.extent is None for s in stores):
-            raise ValueError("a batched step needs every stream's store placed in one KV pool")
-        B, L = len(stores), backbone.n_layers
+    KEY_ROUND = 1024  # with a capacity, each layer's key bound is rounded up to this (fewer distinct graphs)
+
+    def __init__(self, backbone, streams, kernels: str = "triton", capacity: int | None = None):
+        streams = list(streams)
+        C = len(streams) if capacity is None else int(capacity)
+        if capacity is not None and kernels != "triton":
+            raise ValueError("a batched step with a capacity runs on the Triton kernels")
+        self.capacity = capacity
+        L = backbone.n_layers
         self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
-        H = self.n_kv
         self.layers = backbone.fused_layers()
         self.add_rmsnorm, _, self.silu_mul = _ops(kernels)
         self.rope_append, self.attention, self.probs = _batched_ops(kernels)
@@ -174,79 +182,104 @@ class BatchedFusedStep:
         self.embed = backbone.embed_tokens.weight
         self.norm_f, self.eps_f = backbone.final_norm.weight, float(backbone.final_norm.variance_epsilon)
         self.lm_w, self.lm_b = backbone.lm_head.weight, backbone.lm_head.bias
+        self.pool = streams[0].store.pool
+        if self.pool is None:
+            raise ValueError("a batched step needs every stream's store placed in one KV pool")
         dev, dt = self.pool.device, self.embed.dtype
+        self.dev, self.dt = dev, dt
         hid, inter = self.embed.shape[1], self.layers[0].w_down.shape[1]
-        self.hidden = torch.zeros(B, hid, device=dev, dtype=dt)
-        self.normed = torch.empty(B, hid, device=dev, dtype=dt)
-        self.q = torch.empty(B, self.n_q, self.d, device=dev, dtype=dt)
-        self.act = torch.empty(B, inter, device=dev, dtype=dt)
-        self.tok = torch.tensor([[st.tokens[-1]] for st in self.streams], device=dev, dtype=torch.long)
-        self.t = torch.tensor([st.index for st in self.streams], device=dev, dtype=torch.long)
-        T = max(st.cos.shape[0] for st in self.streams)
-        self.cos = torch.zeros(B, T, self.d, device=dev, dtype=dt)
-        self.sin = torch.zeros(B, T, self.d, device=dev, dtype=dt)
-        for b, st in enumerate(self.streams):
-            self.cos[b, : st.cos.shape[0]], self.sin[b, : st.sin.shape[0]] = st.cos, st.sin
-        # Each (layer, stream, KV head)'s first audio slot (fixed once placed) and its dense page table: the pool
-        # row of each page of its dense tokens (`table`, gathered from the stores' own tables at every step, so a
-        # page a store is given between two steps, or two graph replays, is read by the next one).
-        self.layouts = [s.attention_layout() for s in stores]
-        self.max_keys = [max(lay.dense_rows_max + int(lay.caps[li].max()) for lay in self.layouts) for li in range(L)]
+        self.hidden = torch.zeros(C, hid, device=dev, dtype=dt)
+        self.normed = torch.empty(C, hid, device=dev, dtype=dt)
+        self.q = torch.empty(C, self.n_q, self.d, device=dev, dtype=dt)
+        self.act = torch.empty(C, inter, device=dev, dtype=dt)
+        self.tok = torch.zeros(C, 1, device=dev, dtype=torch.long)
+        self.t = torch.zeros(C, device=dev, dtype=torch.long)
+        self.cos = self.sin = None  # (C, T, D): each row's RoPE table (`bind`)
+        self.layout = BatchLayout(L, self.n_kv, C, dev, kernels)
         self.page = self.pool.block
-        P = max(lay.block_table.shape[2] for lay in self.layouts)
-        self.table = torch.zeros(L, B, H, P, device=dev, dtype=torch.int32)
-        self.audio_off = torch.as_tensor(np.stack([lay.audio_off for lay in self.layouts], axis=1), device=dev)
-        self.dense_len = torch.zeros(B, device=dev, dtype=torch.long)
-        self.audio_len = torch.zeros(L, B, H, device=dev, dtype=torch.int32)
+        self._scratch: dict = {}  # (layer, key bound) -> the attention's split buffers (a graph keeps its own)
+        self.observer_sums: list = [None] * L
+        self.generation = 0
+        self.logits: torch.Tensor | None = None
+        self.bind(streams)
+
+    def bind(self, streams) -> None:
+        """Seat `streams` (placed in this step's pool) in rows 0.., the rest empty (outside a graph capture)."""
+        streams = list(streams)
+        C, L, H = self.layout.capacity, len(self.layers), self.n_kv
+        stores = [st.store for st in streams]
+        if not streams or len(streams) > C:
+            raise ValueError(f"{len(streams)} streams for a batched step of {C}")
+        if any(s.pool is not self.pool or s.extent is None for s in stores):
+            raise ValueError("a batched step needs every stream's store placed in one KV pool")
+        self.streams = streams
+        grown = self.layout.bind(stores, self.KEY_ROUND if self.capacity is not None else 1)
+        self.max_keys = self.layout.max_keys
+        self.layouts = [s.attention_layout() for s in stores]
+        T = max(st.cos.shape[0] for st in streams)
+        if self.cos is None or T > self.cos.shape[1]:
+            T = T if self.capacity is None else -(-T // 1024) * 1024
+            self.cos = torch.zeros(C, T, self.d, device=self.dev, dtype=self.dt)
+            self.sin = torch.zeros(C, T, self.d, device=self.dev, dtype=self.dt)
+            grown = True
+        for b, st in enumerate(streams):
+            self.cos[b, : st.cos.shape[0]], self.sin[b, : st.sin.shape[0]] = st.cos, st.sin
+        pad = C - len(streams)
+        self.tok.copy_(torch.tensor([[st.tokens[-1]] for st in streams] + [[0]] * pad))
+        self.t.copy_(torch.tensor([st.index for st in streams] + [0] * pad))
+        # per-stream hooks (their launches name each stream's tensors: such a step is made for one composition)
+        self.hooks_before = [st for st in streams if type(st.policy).before_attention is not Policy.before_attention]
         self.observe: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]
-        for b, st in enumerate(self.streams):
+        summing: list[list] = [[] for _ in range(L)]
+        for b, st in enumerate(streams):
             for li in range(L):
                 heads = st.policy.observe_heads(li)
-                if heads:
-                    self.observe[li].append((b, torch.tensor(heads, dtype=torch.int32, device=dev),
-                                             torch.zeros(len(heads), st.store.n_audio, device=dev)))
-        self._scratch: list[dict] = [{} for _ in range(L)]
-        # per layer, with Triton: one ObserverSum over the streams whose methods only sum their observers' weights
-        self.observer_sums: list = [None] * L
-        if kernels == "triton":
+                if not heads:
+                    continue
+                acc = st.policy.observe_sum(li)
+                if acc is not None and self.kernels == "triton":
+                    summing[li].append((b, acc, st.store.slot_of[li * H:(li + 1) * H], heads))
+                else:
+                    self.observe[li].append((b, torch.tensor(heads, dtype=torch.int32, device=self.dev),
+                                             torch.zeros(len(heads), st.store.n_audio, device=self.dev)))
+        if self.kernels == "triton":  # per layer: one ObserverSum over the streams whose methods only sum
             from wnw_exp.kv.triton_attention import ObserverSum
 
             for li in range(L):
-                entries = [(b, acc, stores[b].slot_of[li * H:(li + 1) * H], self.streams[b].policy.observe_heads(li))
-                           for b, _, _ in self.observe[li]
-                           if (acc := self.streams[b].policy.observe_sum(li)) is not None]
-                if entries:
-                    self.observer_sums[li] = ObserverSum(entries, dev)
-        self.logits: torch.Tensor | None = None
+                held, entries = self.observer_sums[li], summing[li]
+                if held is not None and held.bind(entries):
+                    continue
+                if entries or held is not None:
+                    self.observer_sums[li] = ObserverSum(entries, self.dev, self.capacity) if entries else None
+                    grown = True
+        self.generation += grown
 
     def body(self) -> None:
-        layouts = self.layouts
-        torch.cat([lay.dense_len for lay in layouts], out=self.dense_len)  # where each stream's new key goes
-        for b, lay in enumerate(layouts):  # the page tables as they are now (B small copies, graph-safe)
-            self.table[:, b, :, : lay.block_table.shape[2]].copy_(lay.block_table)
+        lay, pool, delta = self.layout, self.pool, None
+        lay.gather()  # where each stream's new key goes, its heads' scan lengths and page tables as they are now
         torch.index_select(self.embed, 0, self.tok.view(-1), out=self.hidden)
-        dense_next = self.dense_len + 1
-        pool, delta = self.pool, None
+        dense_next = lay.dense_len + 1
         for li, w in enumerate(self.layers):
             self.add_rmsnorm(self.hidden, delta, w.ln1, w.eps, self.normed)
             qkv = F.linear(self.normed, w.w_qkv, w.b_qkv)
-            self.rope_append(qkv, self.cos, self.sin, self.t, self.dense_len, self.table[li], self.q, pool.k,
+            self.rope_append(qkv, self.cos, self.sin, self.t, lay.dense_len, lay.table[li], self.q, pool.k,
                              pool.v, self.n_q, self.n_kv, self.d, page_rows=self.page)
-            for b, st in enumerate(self.streams):
-                st.policy.before_attention(li, self.q[b])
-            alen = self.audio_len[li]
-            torch.stack([lay.audio_len[li] for lay in layouts], out=alen)  # after any move a method made for this layer
-            out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, self.table[li], dense_next,
-                                      self.audio_off[li], alen, w.scale, max_keys=self.max_keys[li],
-                                      page_rows=self.page, scratch=self._scratch[li])
+            alen = lay.audio_len[li]
+            if self.hooks_before:
+                for b, st in enumerate(self.streams):
+                    st.policy.before_attention(li, self.q[b])
+                for b, st in enumerate(self.streams):  # after any move a method made for this layer
+                    alen[b].copy_(st.store.audio_len[li])
+            mk = self.max_keys[li]
+            out, lse = self.attention(self.q, pool.k, pool.v, pool.pos, lay.table[li], dense_next,
+                                      lay.audio_off[li], alen, w.scale, max_keys=mk, page_rows=self.page,
+                                      scratch=self._scratch.setdefault((li, mk), {}))
             if self.observer_sums[li] is not None:  # every summing stream's observers in one launch
-                self.observer_sums[li](self.q, pool.k, self.audio_off[li], lse, w.scale)
+                self.observer_sums[li](self.q, pool.k, lay.audio_off[li], lse, w.scale)
             for b, heads, probs in self.observe[li]:
+                self.probs(self.q[b], pool.k, pool.pos, lay.audio_off[li, b], alen[b], lse[b], w.scale, heads,
+                           probs, self.layouts[b].max_audio_per_head)
                 acc = self.streams[b].policy.observe_sum(li)
-                if acc is not None and self.observer_sums[li] is not None:
-                    continue  # summed above
-                self.probs(self.q[b], pool.k, pool.pos, self.audio_off[li, b], alen[b], lse[b], w.scale, heads,
-                           probs, layouts[b].max_audio_per_head)
                 if acc is not None:
                     acc += probs.sum(dim=0)
                 else:
@@ -255,10 +288,10 @@ class BatchedFusedStep:
         self._delta = delta
 
     def head(self) -> None:
-        self.logits = _final_logits(self)  # (B, vocab)
+        self.logits = _final_logits(self)  # (C, vocab)
         torch.argmax(self.logits, dim=-1, keepdim=True, out=self.tok)
         self.t += 1
-        advance_stores([st.store for st in self.streams])
+        self.layout.advance()
 
 
 class CapturedStep:

@@ -120,6 +120,7 @@ def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, bt_p
     cols = tl.arange(0, D)
     x = tl.load(qkv_ptr + i.to(tl.int64) * D + cols)
     n = tl.load(dlen_ptr + b).to(tl.int64)
+    ok = n >= 0  # (dense length -1: a padding row of a batch, whose k and v go nowhere)
     if j < HQ + HKV:
         row = b.to(tl.int64) * T + tl.load(t_ptr + b).to(tl.int64)  # stream b's RoPE table row of this step
         y = _rope_row(qkv_ptr + i.to(tl.int64) * D, x, cos_ptr + row * D, sin_ptr + row * D, cols, D)
@@ -127,12 +128,12 @@ def _rope_append_batched_kernel(qkv_ptr, cos_ptr, sin_ptr, t_ptr, dlen_ptr, bt_p
             tl.store(q_out_ptr + (b.to(tl.int64) * HQ + j) * D + cols, y)
         else:
             bt = bt_ptr + (b * HKV + (j - HQ)).to(tl.int64) * N_PAGES
-            dst = tl.load(bt + n // PAGE).to(tl.int64) + n % PAGE
-            tl.store(k_ptr + dst * D + cols, y)
+            dst = tl.load(bt + n // PAGE, mask=ok, other=0).to(tl.int64) + n % PAGE
+            tl.store(k_ptr + dst * D + cols, y, mask=ok & (cols < D))
     else:
         bt = bt_ptr + (b * HKV + (j - HQ - HKV)).to(tl.int64) * N_PAGES
-        dst = tl.load(bt + n // PAGE).to(tl.int64) + n % PAGE
-        tl.store(v_ptr + dst * D + cols, x)
+        dst = tl.load(bt + n // PAGE, mask=ok, other=0).to(tl.int64) + n % PAGE
+        tl.store(v_ptr + dst * D + cols, x, mask=ok & (cols < D))
 
 
 def rope_append_batched(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, t: torch.Tensor,
@@ -140,7 +141,8 @@ def rope_append_batched(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: t
                         pool_v: torch.Tensor, n_q: int, n_kv: int, head_dim: int, *, page_rows: int) -> torch.Tensor:
     """B streams: qkv (B, (n_q + 2 n_kv) * D) -> q_out (B, n_q, D) after RoPE (stream b at row t[b] of its table,
     cos_table (B, T, D)); RoPE'd k and v into the pool at stream b's dense token n = dense_len[b], through its
-    page table: row dense_table[b, h, n // page_rows] + n % page_rows (dense_table (B, n_kv, pages) int32)."""
+    page table: row dense_table[b, h, n // page_rows] + n % page_rows (dense_table (B, n_kv, pages) int32); a row
+    with dense_len -1 (padding) writes no k or v."""
     B = qkv.shape[0]
     assert cos_table.is_contiguous() and sin_table.is_contiguous() and dense_table.is_contiguous()
     _rope_append_batched_kernel[(B * (n_q + 2 * n_kv),)](qkv, cos_table, sin_table, t, dense_len, dense_table, q_out,

@@ -744,7 +744,9 @@ def flush_stores(stores, held: dict | None = None, launch: bool = True) -> None:
     """Every store's `flush()`: those with Triton moves together, in one pair of launches (their `FlushTables`,
     kept in `held` between calls and rebuilt when the set of stores, or a store's layout, changes: build it
     outside a graph capture), the others (PyTorch moves) each by its own flush. `launch=False`: only build the
-    tables (before a capture)."""
+    tables (before a capture). With held["capacity"] (stores) the tables are made for that many stores and
+    rewritten in place (`FlushTables.bind`) for another set, even an empty one: a graph captured over their
+    launches replays for any set they hold (`engine.step.BatchedFusedStep` with a capacity)."""
     parts = []
     for st in stores:
         if st.moves != "triton":
@@ -754,15 +756,18 @@ def flush_stores(stores, held: dict | None = None, launch: bool = True) -> None:
         b = st._flush_blocks()[None]
         if b is not None:  # (none of its heads can move: nothing to flush)
             parts.append((st, b))
-    if not parts:
-        return
     held = {} if held is None else held
+    if not parts and "tables" not in held:
+        return
     blocks = held.get("blocks")
     if blocks is None or len(blocks) != len(parts) or any(x is not b for x, (_, b) in zip(blocks, parts)):
         from wnw_exp.kv.triton_moves import FlushTables
 
+        fparts = [(st, b["host_rows"]) for st, b in parts]
+        tables = held.get("tables")
+        if tables is None or tables.capacity is None or not tables.bind(fparts):
+            held["tables"] = FlushTables(fparts, parts[0][0].device, capacity=held.get("capacity"))
         held["blocks"] = [b for _, b in parts]  # (kept alive with the tables: their identities stay unique)
-        held["tables"] = FlushTables([(st, b["host_rows"]) for st, b in parts], parts[0][0].device)
     if launch:
         held["tables"]()
 
@@ -771,8 +776,8 @@ def queue_segments_stores(parts, held: dict | None = None, launch: bool = True) 
     """Every `store.queue_segments(rows, positions, segments, recall, release)` of `parts` ((store, (rows,
     positions, segments), recall, release) per stream: a method's per-segment decision as masks): the stores with
     Triton moves together in one launch (their `SegmentQueueTables`, kept in `held` between calls and rebuilt when
-    a tensor in them changes: build it outside a graph capture), the others each by its own. `launch=False`: only
-    build the tables (before a capture)."""
+    a tensor in them changes: build it outside a graph capture; with held["capacity"], rewritten in place as
+    `flush_stores` does), the others each by its own. `launch=False`: only build the tables (before a capture)."""
     together = []
     for part in parts:
         if part[0].moves == "triton":
@@ -780,16 +785,97 @@ def queue_segments_stores(parts, held: dict | None = None, launch: bool = True) 
         elif launch:
             store, (rows, pos, seg), recall, release = part
             store.queue_segments(rows, pos, seg, recall, release)
-    if not together:
+    held = {} if held is None else held
+    if not together and "queue" not in held:
         return
     from wnw_exp.kv.triton_moves import SegmentQueueTables
 
     held = {} if held is None else held
     tables = held.get("queue")
     if tables is None or tables.key != SegmentQueueTables.key_of(together):
-        tables = held["queue"] = SegmentQueueTables(together, together[0][0].device)
+        if tables is None or tables.capacity is None or not tables.bind(together):
+            tables = held["queue"] = SegmentQueueTables(together, together[0][0].device, held.get("capacity"))
     if launch:
         tables()
+
+
+class BatchLayout:
+    """What a batched decode step's attention reads of its streams' packed stores (one `KVPool`), in buffers of
+    `capacity` rows made once: each row's dense length (`dense_len` (C,) long; -1 for a row without a stream: its
+    k/v are written nowhere and its attention reads no key), each (layer, row, KV head)'s first audio slot and scan
+    length (`audio_off`, `audio_len` (L, C, H) int64 / int32) and dense page table (`table` (L, C, H, P) int32), and
+    each layer's key bound (`max_keys`: it fixes the attention's grid). `bind(stores)` sets the rows (outside a
+    graph capture); `gather()` reads the stores' lengths and page tables as they are now and `advance()` moves every
+    store one token on, each one launch with Triton kernels (through an address table rewritten in place by `bind`,
+    so a graph captured over them replays for another set of stores), a PyTorch loop otherwise."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, capacity: int, device: torch.device, kernels: str):
+        L, H, C = n_layers, n_kv_heads, capacity
+        self.L, self.H, self.capacity, self.device, self.kernels = L, H, C, device, kernels
+        self.dense_len = torch.full((C,), -1, device=device, dtype=torch.long)
+        self.audio_len = torch.zeros(L, C, H, device=device, dtype=torch.int32)
+        self.audio_off = torch.zeros(L, C, H, device=device, dtype=torch.int64)
+        self.table = torch.zeros(L, C, H, 1, device=device, dtype=torch.int32)
+        self.stores: list = []
+        self.max_keys = [1] * L
+        self._rows = None
+        if kernels == "triton":
+            from wnw_exp.kv.triton_moves import AddressRows
+
+            self._rows = AddressRows(C, 4, device)
+
+    def bind(self, stores: list, round_keys: int = 1) -> bool:
+        """Rows 0.. for `stores` (placed in one pool), the rest empty; each layer's key bound rounded up to a multiple
+        of `round_keys`. True where a buffer had to be made anew (more dense pages than it had room for)."""
+        L, H, C = self.L, self.H, self.capacity
+        if len(stores) > C:
+            raise ValueError(f"{len(stores)} streams for a batch layout of {C}")
+        layouts = [s.attention_layout() for s in stores]
+        pages = max(lay.block_table.shape[2] for lay in layouts)
+        grown = pages > self.table.shape[3]
+        if grown:
+            self.table = torch.zeros(L, C, H, 1 << (pages - 1).bit_length(), device=self.device, dtype=torch.int32)
+        off = np.zeros((L, C, H), np.int64)
+        for b, lay in enumerate(layouts):
+            off[:, b] = lay.audio_off
+        self.audio_off.copy_(torch.from_numpy(off))
+        keys = [max(lay.dense_rows_max + int(lay.caps[li].max()) for lay in layouts) for li in range(L)]
+        self.max_keys = [-(-k // round_keys) * round_keys for k in keys]
+        self.stores = list(stores)
+        if self._rows is not None:
+            rows = [[s._lens.data_ptr(), s.audio_len.data_ptr(), s.dense_table.data_ptr(), s.dense_table.shape[1]]
+                    for s in stores]
+            self._rows.write(rows, [t for s in stores for t in (s._lens, s.audio_len, s.dense_table)])
+        else:
+            self.dense_len.fill_(-1)
+            self.audio_len.zero_()
+        return grown
+
+    def gather(self) -> None:
+        """The stores' dense lengths, scan lengths and page tables into the buffers (graph-safe)."""
+        if self._rows is not None:
+            from wnw_exp.kv.triton_moves import gather_layout
+
+            gather_layout(self._rows.ptrs, self.dense_len, self.audio_len, self.table)
+            return
+        L, H = self.L, self.H
+        for b, s in enumerate(self.stores):
+            self.dense_len[b : b + 1].copy_(s.dense_len)
+            self.audio_len[:, b].copy_(s.audio_len)
+            t = s.dense_table.view(L, H, -1)
+            self.table[:, b, :, : t.shape[2]].copy_(t)
+
+    def advance(self) -> None:
+        """Every store one token on (`advance_stores`; graph-safe)."""
+        if self._rows is not None:
+            from wnw_exp.kv.triton_moves import advance_layout
+
+            advance_layout(self._rows.ptrs)
+            if not _capturing():
+                for s in self.stores:
+                    s._dense_n += 1
+            return
+        advance_stores(self.stores)
 
 
 def advance_stores(stores) -> None:
@@ -803,22 +889,24 @@ def advance_stores(stores) -> None:
 
 def record_steps(stores, held: dict | None = None, launch: bool = True) -> None:
     """Every store's `record_step()`: those with Triton kernels together, in one launch (their `RecordTables`,
-    kept in `held` between calls and rebuilt when a store's tensors change: build it outside a graph capture),
-    the others each by its own. `launch=False`: only build the tables (before a capture)."""
+    kept in `held` between calls and rebuilt when a store's tensors change: build it outside a graph capture;
+    with held["capacity"], rewritten in place as `flush_stores` does), the others each by its own. `launch=False`:
+    only build the tables (before a capture)."""
     together = []
     for st in stores:
         if st.kernels == "triton":
             together.append(st)
         elif launch:
             st.record_step()
-    if not together:
+    held = {} if held is None else held
+    if not together and "record" not in held:
         return
     from wnw_exp.kv.triton_moves import RecordTables
 
-    held = {} if held is None else held
     tables = held.get("record")
     if tables is None or tables.key != RecordTables.key_of(together):
-        tables = held["record"] = RecordTables(together, together[0].device)
+        if tables is None or tables.capacity is None or not tables.bind(together):
+            tables = held["record"] = RecordTables(together, together[0].device, held.get("capacity"))
     if launch:
         tables()
 

@@ -118,7 +118,7 @@ def _combine_kernel(po_ptr, plse_ptr, out_ptr, lse_ptr, N_SPLITS,
     w = tl.where(lse > float("-inf"), tl.exp(lse - mx), 0.0)
     o = tl.load(po_ptr + (qh * N_SPLITS + sp)[:, None] * D + cols[None, :], mask=(sp < N_SPLITS)[:, None], other=0.0)
     wsum = tl.sum(w, axis=0)
-    out = tl.sum(o * w[:, None], axis=0) / wsum
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(wsum > 0, wsum, 1.0)  # (no key at all, a padding row: 0)
     tl.store(out_ptr + qh * D + cols, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + qh, mx + tl.log(wsum))
 
@@ -181,29 +181,44 @@ class ObserverSum:
     (`_observe_sum_kernel`): what `observed_probs` + `probs.sum(0)` + an add give per stream, without the
     (n_obs, n_audio) buffer. `entries`: (stream index b, accumulator (n_audio,) float32, the layer's slot_of rows
     (H_kv, n_audio) int32, observer query heads) per observing stream, tensors that live as long as this object
-    is used (their addresses are in its tables: made once, outside any graph capture)."""
+    is used (their addresses are in its tables: made outside any graph capture). With `capacity` (entries) the
+    tables and the grid are made for that many entries of up to as many positions and heads as `entries` have, and
+    `bind` rewrites them in place for other entries (a graph captured over the launch follows them)."""
 
     BLOCK = 128
 
-    def __init__(self, entries: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]], device: torch.device):
+    def __init__(self, entries: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]], device: torch.device,
+                 capacity: int | None = None):
+        E = len(entries) if capacity is None else capacity
+        self.capacity = capacity
+        self.nobs_max = max(len(h) for *_, h in entries)
+        self.n_max = max(a.shape[0] for _, a, _, _ in entries)
+        self.H = entries[0][2].shape[0]
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
+        self.slot_tbl, self.acc_tbl, self.n_tbl, self.b_tbl, self.nobs = z(E), z(E), z(E), z(E), z(E)
+        self.heads = torch.zeros(E, self.nobs_max, dtype=torch.int32, device=device)
+        self.bind(entries)
+
+    def bind(self, entries: list) -> bool:
+        """Rewrite the tables for `entries` (outside a graph capture); False (nothing changed) where they do not fit
+        (more entries, positions or observer heads than the tables were made for, or another head count)."""
+        E = self.heads.shape[0]
+        if (len(entries) > E or any(len(h) > self.nobs_max or a.shape[0] > self.n_max or s.shape[0] != self.H
+                                    for _, a, s, h in entries)):
+            return False
         for _, acc, slot_of, _ in entries:
             assert acc.is_contiguous() and acc.dtype == torch.float32 and slot_of.is_contiguous()
             assert slot_of.dtype == torch.int32 and slot_of.shape[1] == acc.shape[0]
         self.entries = entries  # keeps the tensors alive
-        nobs_max = max(len(h) for *_, h in entries)
-        heads = torch.zeros(len(entries), nobs_max, dtype=torch.int32)
-        for o, (*_, h) in enumerate(entries):
+        heads = torch.zeros(E, self.nobs_max, dtype=torch.int32)
+        cols = torch.zeros(5, E, dtype=torch.int64)  # slot_of, acc, n, b, n_obs (rows past the entries: nothing)
+        for o, (b, acc, slot_of, h) in enumerate(entries):
             heads[o, : len(h)] = torch.tensor(h, dtype=torch.int32)
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        self.slot_tbl = as_t([s.data_ptr() for _, _, s, _ in entries])
-        self.acc_tbl = as_t([a.data_ptr() for _, a, _, _ in entries])
-        self.n_tbl = as_t([a.shape[0] for _, a, _, _ in entries])
-        self.b_tbl = as_t([b for b, *_ in entries])
-        self.heads = heads.to(device)
-        self.nobs = as_t([len(h) for *_, h in entries])
-        self.nobs_max = nobs_max
-        self.n_max = max(a.shape[0] for _, a, _, _ in entries)
-        self.H = entries[0][2].shape[0]
+            cols[:, o] = torch.tensor([slot_of.data_ptr(), acc.data_ptr(), acc.shape[0], b, len(h)])
+        for dst, src in zip((self.slot_tbl, self.acc_tbl, self.n_tbl, self.b_tbl, self.nobs), cols):
+            dst.copy_(src)
+        self.heads.copy_(heads)
+        return True
 
     def __call__(self, q: torch.Tensor, audio_k: torch.Tensor, audio_off: torch.Tensor, lse: torch.Tensor,
                  scale: float) -> None:
@@ -212,7 +227,7 @@ class ObserverSum:
         log-sum-exp."""
         H_q, D = q.shape[-2:]
         assert audio_k.stride(1) == 1 and audio_off.shape[-1] == self.H
-        grid = (triton.cdiv(self.n_max, self.BLOCK), len(self.entries))
+        grid = (triton.cdiv(self.n_max, self.BLOCK), self.heads.shape[0])
         _observe_sum_kernel[grid](q.contiguous(), audio_k, audio_off.contiguous(), lse.contiguous(), self.slot_tbl,
                                   self.acc_tbl, self.n_tbl, self.b_tbl, self.heads, self.nobs, scale,
                                   audio_k.stride(0), self.H, H_q, self.nobs_max, G=H_q // self.H, D=D,

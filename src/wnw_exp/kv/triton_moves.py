@@ -17,6 +17,8 @@ position, so nothing attends to it). Fixed grids, no host read: a CUDA graph can
 `queue_segments`: recalls and releases chosen per segment (WnW's chunk swap), both queued in one launch;
 `SegmentQueueTables`: the same for several stores (a batch's streams) in one launch. `queue_pages`: recalls and
 releases chosen per (head, page) (ArkVale's swap) in one launch.
+`gather_layout` / `advance_layout`: a batch's attention metadata gathered from its stores, and their lengths
+advanced, in one launch each (`kv.packed.BatchLayout`).
 `RecordTables`: a decode step's accounting (resident tokens, rows recalled so far) of one or several stores in one
 launch.
 `read_host`: one element of pinned host memory, the store's probe that the GPU can read it.
@@ -56,79 +58,102 @@ def table_field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _N
     return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
 
 
+class AddressRows:
+    """A multi-stream launch's address table: `capacity` rows of `nf` int64 fields (tensor addresses and sizes, one
+    row per stream) in one device tensor made once and rewritten in place (`write`), so that a CUDA graph captured
+    over the launch follows a new set of streams; rows past the streams' are zero (the kernels skip them). The
+    tensors whose addresses it holds are kept alive until the next write."""
+
+    def __init__(self, capacity: int, nf: int, device: torch.device):
+        self.capacity, self.nf = int(capacity), nf
+        self.ptrs = torch.zeros(self.capacity, nf, dtype=torch.int64, device=device)
+        self._keep: list = []
+
+    def write(self, rows: list, keep: list) -> None:
+        """Rows `rows` (lists of nf ints) from the first, zeros after (outside a graph capture)."""
+        if len(rows) > self.capacity:
+            raise ValueError(f"{len(rows)} rows for an address table of {self.capacity}")
+        host = torch.zeros(self.capacity, self.nf, dtype=torch.int64)
+        if rows:
+            host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        self.ptrs.copy_(host)
+        self._keep = list(keep)
+
+
 @triton.jit
 def _flush_kernel(tbl, row_st_ptr, row_r_ptr, row_m_ptr, scr_off_ptr, scratch_ptr, pair_st_ptr, pair_src_ptr,
                   pair_dst_ptr, cnt_ptr, SCAN: tl.constexpr):
     i = tl.program_id(0)
     st = tl.load(row_st_ptr + i)
-    r = tl.load(row_r_ptr + i).to(tl.int64)
-    rec_ptr, rel_ptr = table_field(tbl, st, _REC, tl.int8), table_field(tbl, st, _REL, tl.int8)
-    slot_of_ptr, pos_ptr = table_field(tbl, st, _SLOT_OF, tl.int32), table_field(tbl, st, _POS, tl.int32)
-    N = tl.load(tbl + st * _NF + _N)
-    base = tl.load(table_field(tbl, st, _BASE, tl.int32) + r).to(tl.int64)
-    cap = tl.load(table_field(tbl, st, _CAP, tl.int32) + r).to(tl.int64)
-    scr = scratch_ptr + tl.load(scr_off_ptr + i)  # this row's scratch: its recalled positions, cap of them at most
-    lane = tl.arange(0, SCAN)
-    row_n = r * N
-    mirror_n = tl.load(row_m_ptr + i).to(tl.int64) * N  # the row's first element in the host mirror, in rows
-    # 1a. the recalled positions (queued, not resident), ascending, into the scratch (those past `cap` cannot find a
-    # free slot: only counted); and whether anything is queued on the row at all (else nothing below runs)
-    n_rec = 0
-    n_queued = 0
-    for p0 in range(0, N, SCAN):
-        p = p0 + lane
-        m = p < N
-        rec = tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0
-        rel = tl.load(rel_ptr + row_n + p, mask=m, other=0) != 0
-        want = rec & (tl.load(slot_of_ptr + row_n + p, mask=rec, other=0) < 0)
-        k = n_rec + tl.cumsum(want.to(tl.int32), 0) - 1
-        tl.store(scr + k, p, mask=want & (k < cap))
-        n_rec += tl.sum(want.to(tl.int32), 0)
-        n_queued += tl.sum((rec | rel).to(tl.int32), 0)
-    busy = n_queued > 0
-    cap_b = tl.where(busy, cap, 0)
-    tl.debug_barrier()
-    # 1b. the k-th free slot takes the k-th recalled position; the (host row, slot) pair is appended to the list
-    # that _copy_list_kernel walks
-    n_free = 0
-    for s0 in range(0, cap_b, SCAN):
-        s = s0 + lane
-        m = s < cap
-        free = m & (tl.load(pos_ptr + base + s, mask=m, other=0) < 0)
-        k = n_free + tl.cumsum(free.to(tl.int32), 0) - 1
-        fill = free & (k < n_rec)
-        p = tl.load(scr + k, mask=fill, other=0)
-        at = tl.atomic_add(cnt_ptr, tl.sum(fill.to(tl.int32), 0)) + k - n_free  # the fills' places in the list
-        tl.store(pair_st_ptr + at, tl.zeros([SCAN], tl.int32) + st, mask=fill)
-        tl.store(pair_src_ptr + at, (mirror_n + p).to(tl.int32), mask=fill)
-        tl.store(pair_dst_ptr + at, (base + s).to(tl.int32), mask=fill)
-        tl.store(pos_ptr + base + s, p, mask=fill)
-        tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
-        n_free += tl.sum(free.to(tl.int32), 0)
-    tl.atomic_add(table_field(tbl, st, _OVERFLOW, tl.int64), tl.maximum(n_rec - n_free, 0).to(tl.int64), mask=busy)
-    tl.atomic_add(table_field(tbl, st, _RECALLED, tl.int64), tl.minimum(n_rec, n_free).to(tl.int64), mask=busy)
-    tl.debug_barrier()
-    # 2. releases, and the row's resident count and scan length (rebuilt where anything was queued)
-    n_res = 0
-    high = 0
-    for s0 in range(0, cap_b, SCAN):
-        s = s0 + lane
-        m = s < cap
-        pv = tl.load(pos_ptr + base + s, mask=m, other=-1)
-        occ = pv >= 0
-        gone = occ & (tl.load(rel_ptr + row_n + pv, mask=occ, other=0) != 0)
-        tl.store(pos_ptr + base + s, tl.full([SCAN], -1, tl.int32), mask=gone)
-        tl.store(slot_of_ptr + row_n + pv, tl.full([SCAN], -1, tl.int32), mask=gone)
-        keep = occ & ~gone
-        n_res += tl.sum(keep.to(tl.int32), 0)
-        high = tl.maximum(high, tl.max(tl.where(keep, (s + 1).to(tl.int32), 0), 0))
-    tl.store(table_field(tbl, st, _N_RES, tl.int64) + r, n_res.to(tl.int64), mask=busy)
-    tl.store(table_field(tbl, st, _ALEN, tl.int32) + r, high.to(tl.int32), mask=busy)
-    for p0 in range(0, tl.where(busy, N, 0), SCAN):
-        p = p0 + lane
-        m = p < N
-        tl.store(rec_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
-        tl.store(rel_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
+    if st >= 0:  # (a row of a table made for more streams than it holds: nothing)
+        r = tl.load(row_r_ptr + i).to(tl.int64)
+        rec_ptr, rel_ptr = table_field(tbl, st, _REC, tl.int8), table_field(tbl, st, _REL, tl.int8)
+        slot_of_ptr, pos_ptr = table_field(tbl, st, _SLOT_OF, tl.int32), table_field(tbl, st, _POS, tl.int32)
+        N = tl.load(tbl + st * _NF + _N)
+        base = tl.load(table_field(tbl, st, _BASE, tl.int32) + r).to(tl.int64)
+        cap = tl.load(table_field(tbl, st, _CAP, tl.int32) + r).to(tl.int64)
+        scr = scratch_ptr + tl.load(scr_off_ptr + i)  # this row's scratch: its recalled positions, cap of them at most
+        lane = tl.arange(0, SCAN)
+        row_n = r * N
+        mirror_n = tl.load(row_m_ptr + i).to(tl.int64) * N  # the row's first element in the host mirror, in rows
+        # 1a. the recalled positions (queued, not resident), ascending, into the scratch (those past `cap` cannot find a
+        # free slot: only counted); and whether anything is queued on the row at all (else nothing below runs)
+        n_rec = 0
+        n_queued = 0
+        for p0 in range(0, N, SCAN):
+            p = p0 + lane
+            m = p < N
+            rec = tl.load(rec_ptr + row_n + p, mask=m, other=0) != 0
+            rel = tl.load(rel_ptr + row_n + p, mask=m, other=0) != 0
+            want = rec & (tl.load(slot_of_ptr + row_n + p, mask=rec, other=0) < 0)
+            k = n_rec + tl.cumsum(want.to(tl.int32), 0) - 1
+            tl.store(scr + k, p, mask=want & (k < cap))
+            n_rec += tl.sum(want.to(tl.int32), 0)
+            n_queued += tl.sum((rec | rel).to(tl.int32), 0)
+        busy = n_queued > 0
+        cap_b = tl.where(busy, cap, 0)
+        tl.debug_barrier()
+        # 1b. the k-th free slot takes the k-th recalled position; the (host row, slot) pair is appended to the list
+        # that _copy_list_kernel walks
+        n_free = 0
+        for s0 in range(0, cap_b, SCAN):
+            s = s0 + lane
+            m = s < cap
+            free = m & (tl.load(pos_ptr + base + s, mask=m, other=0) < 0)
+            k = n_free + tl.cumsum(free.to(tl.int32), 0) - 1
+            fill = free & (k < n_rec)
+            p = tl.load(scr + k, mask=fill, other=0)
+            at = tl.atomic_add(cnt_ptr, tl.sum(fill.to(tl.int32), 0)) + k - n_free  # the fills' places in the list
+            tl.store(pair_st_ptr + at, tl.zeros([SCAN], tl.int32) + st, mask=fill)
+            tl.store(pair_src_ptr + at, (mirror_n + p).to(tl.int32), mask=fill)
+            tl.store(pair_dst_ptr + at, (base + s).to(tl.int32), mask=fill)
+            tl.store(pos_ptr + base + s, p, mask=fill)
+            tl.store(slot_of_ptr + row_n + p, s.to(tl.int32), mask=fill)
+            n_free += tl.sum(free.to(tl.int32), 0)
+        tl.atomic_add(table_field(tbl, st, _OVERFLOW, tl.int64), tl.maximum(n_rec - n_free, 0).to(tl.int64), mask=busy)
+        tl.atomic_add(table_field(tbl, st, _RECALLED, tl.int64), tl.minimum(n_rec, n_free).to(tl.int64), mask=busy)
+        tl.debug_barrier()
+        # 2. releases, and the row's resident count and scan length (rebuilt where anything was queued)
+        n_res = 0
+        high = 0
+        for s0 in range(0, cap_b, SCAN):
+            s = s0 + lane
+            m = s < cap
+            pv = tl.load(pos_ptr + base + s, mask=m, other=-1)
+            occ = pv >= 0
+            gone = occ & (tl.load(rel_ptr + row_n + pv, mask=occ, other=0) != 0)
+            tl.store(pos_ptr + base + s, tl.full([SCAN], -1, tl.int32), mask=gone)
+            tl.store(slot_of_ptr + row_n + pv, tl.full([SCAN], -1, tl.int32), mask=gone)
+            keep = occ & ~gone
+            n_res += tl.sum(keep.to(tl.int32), 0)
+            high = tl.maximum(high, tl.max(tl.where(keep, (s + 1).to(tl.int32), 0), 0))
+        tl.store(table_field(tbl, st, _N_RES, tl.int64) + r, n_res.to(tl.int64), mask=busy)
+        tl.store(table_field(tbl, st, _ALEN, tl.int32) + r, high.to(tl.int32), mask=busy)
+        for p0 in range(0, tl.where(busy, N, 0), SCAN):
+            p = p0 + lane
+            m = p < N
+            tl.store(rec_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
+            tl.store(rel_ptr + row_n + p, tl.zeros([SCAN], tl.int8), mask=m)
 
 
 @triton.jit
@@ -160,11 +185,41 @@ class FlushTables:
     """The queued moves of several packed stores (`kv.packed.PackedAudioKVStore`) applied in two launches, the
     flush of one store being a table of one (see the module docstring). `parts`: (store, its rows that can move,
     a host int array) per store; the stores' tensors are separate allocations, so their addresses are in a table
-    (`ptrs`, one row of `FIELDS` per store, as `ObserverSum` does): made once, outside any graph capture, and
-    rebuilt when the set of stores or a store's layout changes (the tensors are kept alive here). Every store's K/V
-    must have the same row size in 16-bit words (`W`: the copy moves words, whatever the dtype)."""
+    (`ptrs`, one row of `FIELDS` per store, as `ObserverSum` does): made outside any graph capture. Every store's
+    K/V must have the same row size in 16-bit words (`W`: the copy moves words, whatever the dtype).
 
-    def __init__(self, parts: list, device: torch.device):
+    Without `capacity` the tables fit `parts` exactly (rebuild them when the set of stores or a store's layout
+    changes). With `capacity` they hold up to that many stores, each with up to all its rows, and `bind` rewrites
+    them in place for another set of stores (the launches' grids stay fixed: a graph captured over them replays for
+    any set they can hold); `bind` says False where a set does not fit (more scratch than was sized)."""
+
+    def __init__(self, parts: list, device: torch.device, capacity: int | None = None):
+        self.capacity, self.device = capacity, device
+        slots = [sum(int(st.caps[r]) for r in rows) for st, rows in parts]
+        if capacity is None:
+            n_st, row_cap, slot_cap = len(parts), sum(len(rows) for _, rows in parts), sum(slots)
+        else:
+            n_st = capacity
+            row_cap = capacity * max((st.n_rows for st, _ in parts), default=1)
+            slot_cap = capacity * triton.next_power_of_2(max(slots + [1]))
+        self.table = AddressRows(max(n_st, 1), NF, device)
+        self.ptrs = self.table.ptrs
+        self.W = None
+        self.row_cap, self.slot_cap = max(row_cap, 1), max(slot_cap, 1)
+        i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
+        self.row_st, self.row_r, self.row_m = i32(self.row_cap), i32(self.row_cap), i32(self.row_cap)
+        self.scr_off = torch.empty(self.row_cap, dtype=torch.int64, device=device)
+        self.scratch = i32(self.slot_cap)
+        # the pairs to copy: store, host mirror row (its mirror row * N + position), slot (16 bytes a slot with the
+        # scratch)
+        self.pair_st, self.pair_src, self.pair_dst = i32(self.slot_cap), i32(self.slot_cap), i32(self.slot_cap)
+        self.count = torch.zeros(2, dtype=torch.int32, device=device)  # pairs listed; copy programs done
+        self.copy_programs = min(COPY_PROGRAMS, triton.cdiv(self.slot_cap, COPY))
+        if not self.bind(parts):
+            raise AssertionError("FlushTables: the parts do not fit tables made for them")
+
+    def bind(self, parts: list) -> bool:
+        """Rewrite the tables for `parts` (outside a graph capture); False (nothing changed) where they do not fit."""
         ptrs, row_st, row_r, row_m, scr_off, keep, words = [], [], [], [], [], [], set()
         n_slots = 0
         for s, (store, rows) in enumerate(parts):
@@ -182,21 +237,23 @@ class FlushTables:
                 scr_off.append(n_slots)
                 n_slots += int(store.caps[r])  # a row's recalls fill at most its slots
         assert len(words) <= 1, "FlushTables: the stores' K/V rows differ in size"
-        self.W = words.pop() if words else 1
-        assert self.W & (self.W - 1) == 0, "the K/V row size in 16-bit words must be a power of two"
-        self._keep = keep
-        as_t = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
-        self.ptrs = as_t(ptrs, torch.int64).view(-1, NF) if ptrs else None
-        self.row_st, self.row_r, self.row_m = as_t(row_st, torch.int32), as_t(row_r, torch.int32), as_t(row_m, torch.int32)
-        self.scr_off = as_t(scr_off, torch.int64)
-        self.n_rows, cap = len(row_r), max(n_slots, 1)
-        self.scratch = torch.empty(cap, dtype=torch.int32, device=device)
-        # the pairs to copy: store, host mirror row (its mirror row * N + position), slot (16 bytes a slot with the
-        # scratch)
-        self.pair_st, self.pair_src, self.pair_dst = (torch.empty(cap, dtype=torch.int32, device=device)
-                                                      for _ in range(3))
-        self.count = torch.zeros(2, dtype=torch.int32, device=device)  # pairs listed; copy programs done
-        self.copy_programs = min(COPY_PROGRAMS, triton.cdiv(cap, COPY))
+        W = words.pop() if words else (self.W or 1)
+        assert W & (W - 1) == 0, "the K/V row size in 16-bit words must be a power of two"
+        if (len(parts) > self.table.capacity or len(row_r) > self.row_cap or n_slots > self.slot_cap
+                or (self.W is not None and W != self.W)):
+            return False
+        self.W = W
+        self.table.write(ptrs, keep)
+        pad = self.row_cap - len(row_r) if self.capacity is not None else 0
+        as_t = lambda xs, dt: torch.tensor(xs, dtype=dt)  # noqa: E731
+        self.n_store_rows = len(row_r)  # the stores' rows it flushes
+        self.n_rows = len(row_r) + pad  # (with a capacity, the fixed grid: rows past the stores' are skipped)
+        if self.n_rows:
+            self.row_st[: self.n_rows].copy_(as_t(row_st + [-1] * pad, torch.int32))
+            self.row_r[: self.n_rows].copy_(as_t(row_r + [0] * pad, torch.int32))
+            self.row_m[: self.n_rows].copy_(as_t(row_m + [0] * pad, torch.int32))
+            self.scr_off[: self.n_rows].copy_(as_t(scr_off + [0] * pad, torch.int64))
+        return True
 
     def __call__(self) -> None:
         if self.n_rows == 0:
@@ -285,10 +342,10 @@ QUEUE_FIELDS = ("slot_of", "on_host", "queued_recall", "queued_release")
 
 @triton.jit
 def _segment_queue_tables_kernel(tbl, BLOCK: tl.constexpr):
-    """Block program_id(0) of store program_id(1)'s pairs: its `queue_segments`."""
+    """Blocks program_id(0), + num_programs(0), ... of store program_id(1)'s pairs: its `queue_segments`."""
     st = tl.program_id(1)
     n = tl.load(tbl + st * _QNF + _Q_NPAIRS)
-    if tl.program_id(0) * BLOCK < n:
+    for blk in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
         _queue_segments_block(table_field(tbl, st, _Q_ROWS, tl.int64, _QNF),
                               table_field(tbl, st, _Q_POS, tl.int64, _QNF),
                               table_field(tbl, st, _Q_SEG, tl.int64, _QNF),
@@ -297,7 +354,7 @@ def _segment_queue_tables_kernel(tbl, BLOCK: tl.constexpr):
                               table_field(tbl, st, _Q_SLOT_OF, tl.int32, _QNF),
                               table_field(tbl, st, _Q_ON_HOST, tl.int8, _QNF),
                               table_field(tbl, st, _Q_QREC, tl.int8, _QNF),
-                              table_field(tbl, st, _Q_QREL, tl.int8, _QNF), tl.program_id(0), n,
+                              table_field(tbl, st, _Q_QREL, tl.int8, _QNF), blk, n,
                               tl.load(tbl + st * _QNF + _Q_N), BLOCK)
 
 
@@ -306,23 +363,38 @@ class SegmentQueueTables:
     recall and release masks) in one launch; one store is a table of one. `parts`: (store, (rows, positions,
     segments) int64 pairs, recall (n_seg,) bool, release (n_seg,) bool) per store. The tensors' addresses are in a
     table (`ptrs`, rows of QNF fields): made outside any graph capture, rebuilt when `key` changes (compare
-    `SegmentQueueTables.key_of(parts)`); the tensors are kept alive here."""
+    `SegmentQueueTables.key_of(parts)`), or, made with a `capacity` (stores), rewritten in place by `bind` for
+    another set (a fixed grid, whose programs walk their stores' pairs a grid-stride apart); the tensors are kept
+    alive here."""
 
     BLOCK = 1024
 
-    def __init__(self, parts: list, device: torch.device):
-        rows, self._keep = [], []
+    def __init__(self, parts: list, device: torch.device, capacity: int | None = None):
+        self.table = AddressRows(max(len(parts) if capacity is None else capacity, 1), QNF, device)
+        self.ptrs = self.table.ptrs
+        self.capacity = capacity
+        # programs per store: one per block of the longest pair list it is made for (longer ones loop)
+        self.blocks = triton.cdiv(max((pairs[1].numel() for _, pairs, _, _ in parts), default=0), self.BLOCK)
+        if capacity is not None:
+            self.blocks = max(self.blocks, 1)
+        self.bind(parts)
+
+    def bind(self, parts: list) -> bool:
+        """Rewrite the table for `parts` (outside a graph capture); False where there are more than it holds."""
+        if len(parts) > self.table.capacity:
+            return False
+        rows, keep = [], []
         for store, (p_rows, p_pos, p_seg), recall, release in parts:
             assert all(x.dtype == torch.int64 for x in (p_rows, p_pos, p_seg)) and store.slot_of.dtype == torch.int32
             assert recall.dtype == torch.bool and release.dtype == torch.bool
             ts = [p_rows, p_pos, p_seg, recall, release] + [getattr(store, f) for f in QUEUE_FIELDS]
             assert all(x.is_contiguous() for x in ts)
-            self._keep += ts
+            keep += ts
             rows.append([x.data_ptr() for x in ts] + [p_pos.numel(), store.slot_of.shape[1]])
+        self.table.write(rows, keep)
         self.key = self.key_of(parts)
-        self.n = len(rows)
-        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, QNF)
-        self.blocks = triton.cdiv(max((pairs[1].numel() for _, pairs, _, _ in parts), default=0), self.BLOCK)
+        self.n = len(rows) if self.capacity is None else self.table.capacity
+        return True
 
     @staticmethod
     def key_of(parts: list) -> list:
@@ -331,7 +403,7 @@ class SegmentQueueTables:
                 for x in (*pairs, recall, release, *(getattr(store, f) for f in QUEUE_FIELDS))]
 
     def __call__(self) -> None:
-        if self.blocks:
+        if self.blocks and self.n:
             _segment_queue_tables_kernel[(self.blocks, self.n)](self.ptrs, BLOCK=self.BLOCK)
 
 
@@ -382,17 +454,18 @@ def queue_pages(codes: torch.Tensor, page_of: torch.Tensor, row0: int, slot_of: 
 @triton.jit
 def _record_step_kernel(tbl, BLOCK: tl.constexpr):
     st = tl.program_id(0)
-    n_res_ptr = table_field(tbl, st, 0, tl.int64, 6)
     R = tl.load(tbl + st * 6 + 5)
-    total = tl.zeros([BLOCK], tl.int64)
-    for r0 in range(0, R, BLOCK):
-        r = r0 + tl.arange(0, BLOCK)
-        total += tl.load(n_res_ptr + r, mask=r < R, other=0)
-    n_rec_ptr = table_field(tbl, st, 2, tl.int64, 6)
-    at = tl.load(n_rec_ptr)
-    tl.store(table_field(tbl, st, 3, tl.int64, 6) + at, tl.sum(total, 0))
-    tl.store(table_field(tbl, st, 4, tl.int64, 6) + at, tl.load(table_field(tbl, st, 1, tl.int64, 6)))
-    tl.store(n_rec_ptr, at + 1)
+    if R > 0:  # (a row of a table made for more stores than it holds: nothing)
+        n_res_ptr = table_field(tbl, st, 0, tl.int64, 6)
+        total = tl.zeros([BLOCK], tl.int64)
+        for r0 in range(0, R, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            total += tl.load(n_res_ptr + r, mask=r < R, other=0)
+        n_rec_ptr = table_field(tbl, st, 2, tl.int64, 6)
+        at = tl.load(n_rec_ptr)
+        tl.store(table_field(tbl, st, 3, tl.int64, 6) + at, tl.sum(total, 0))
+        tl.store(table_field(tbl, st, 4, tl.int64, 6) + at, tl.load(table_field(tbl, st, 1, tl.int64, 6)))
+        tl.store(n_rec_ptr, at + 1)
 
 
 RECORD_FIELDS = ("n_resident", "_recalled", "_n_rec", "_rec_n_gpu", "_rec_rows")
@@ -402,18 +475,29 @@ class RecordTables:
     """`PackedAudioKVStore.record_step` of several stores (a batch's streams) in one launch, one program per store
     (one store: a table of one): at step n_rec, the resident audio tokens (the sum of n_resident (R,) int64) and
     the rows recalled so far (`_recalled`, () int64); then n_rec += 1. The stores' tensors' addresses are in a
-    table (`ptrs`, rows of RECORD_FIELDS and R): made outside any graph capture, rebuilt when `key` changes."""
+    table (`ptrs`, rows of RECORD_FIELDS and R): made outside any graph capture, rebuilt when `key` changes, or,
+    made with a `capacity` (stores), rewritten in place by `bind` for another set (a fixed grid)."""
 
-    def __init__(self, stores: list, device: torch.device):
-        rows, self._keep = [], []
+    def __init__(self, stores: list, device: torch.device, capacity: int | None = None):
+        self.capacity = capacity
+        self.table = AddressRows(max(len(stores) if capacity is None else capacity, 1), 6, device)
+        self.ptrs = self.table.ptrs
+        self.bind(stores)
+
+    def bind(self, stores: list) -> bool:
+        """Rewrite the table for `stores` (outside a graph capture); False where there are more than it holds."""
+        if len(stores) > self.table.capacity:
+            return False
+        rows, keep = [], []
         for store in stores:
             ts = [getattr(store, f) for f in RECORD_FIELDS]
             assert all(t.dtype == torch.int64 and t.is_contiguous() for t in ts)
-            self._keep += ts
+            keep += ts
             rows.append([t.data_ptr() for t in ts] + [store.n_resident.numel()])
+        self.table.write(rows, keep)
         self.key = self.key_of(stores)
-        self.n = len(rows)
-        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, 6)
+        self.n = len(rows) if self.capacity is None else self.table.capacity
+        return True
 
     @staticmethod
     def key_of(stores: list) -> list:
@@ -422,6 +506,59 @@ class RecordTables:
     def __call__(self) -> None:
         if self.n:
             _record_step_kernel[(self.n,)](self.ptrs, BLOCK=256)
+
+
+# The fields of a store's row in `kv.packed.BatchLayout`'s address table: its lengths (`_lens`: dense_len,
+# dense_len_next), its heads' scan lengths (L * H_kv int32), its dense page table (L * H_kv rows of pages int32)
+# and the page count.
+LAYOUT_FIELDS = ("_lens", "audio_len", "dense_table")
+
+
+@triton.jit
+def _gather_layout_kernel(tbl, dlen_ptr, alen_ptr, table_ptr, C, H, P, BLOCK_P: tl.constexpr):
+    """Row b's store (program_id(0)), its (layer, KV head) row r (program_id(1)): its scan length and dense page
+    table into the batch's (L, C, H) / (L, C, H, P) buffers, and (r = 0) its dense length; an empty row gets
+    dense length -1 (no key is written or read) and scan length 0."""
+    b = tl.program_id(0)
+    r = tl.program_id(1)
+    o = ((r // H) * C + b).to(tl.int64) * H + r % H
+    lens = tl.load(tbl + b * 4)
+    if lens != 0:
+        tl.store(alen_ptr + o, tl.load(table_field(tbl, b, 1, tl.int32, 4) + r))
+        n_pages = tl.load(tbl + b * 4 + 3)
+        src = table_field(tbl, b, 2, tl.int32, 4) + r.to(tl.int64) * n_pages
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            tl.store(table_ptr + o * P + p, tl.load(src + p, mask=p < n_pages, other=0), mask=p < P)
+        if r == 0:
+            tl.store(dlen_ptr + b, tl.load(table_field(tbl, b, 0, tl.int64, 4)))
+    else:
+        tl.store(alen_ptr + o, 0)
+        if r == 0:
+            tl.store(dlen_ptr + b, -1)
+
+
+@triton.jit
+def _advance_kernel(tbl):
+    """Row program_id(0)'s store: its dense_len and dense_len_next one further (an empty row: nothing)."""
+    lens = tl.load(tbl + tl.program_id(0) * 4)
+    if lens != 0:
+        p = lens.to(tl.pointer_type(tl.int64))
+        tl.store(p, tl.load(p) + 1)
+        tl.store(p + 1, tl.load(p + 1) + 1)
+
+
+def gather_layout(ptrs: torch.Tensor, dense_len: torch.Tensor, audio_len: torch.Tensor, table: torch.Tensor) -> None:
+    """`kv.packed.BatchLayout.gather` in one launch: ptrs (C, 4) rows of LAYOUT_FIELDS addresses and page count;
+    dense_len (C,) long, audio_len (L, C, H) int32, table (L, C, H, P) int32."""
+    L, C, H, P = table.shape
+    _gather_layout_kernel[(C, L * H)](ptrs, dense_len, audio_len, table, C, H, P,
+                                      BLOCK_P=max(16, min(256, triton.next_power_of_2(P))))
+
+
+def advance_layout(ptrs: torch.Tensor) -> None:
+    """Every row's store one token further (`kv.packed.BatchLayout.advance`) in one launch."""
+    _advance_kernel[(ptrs.shape[0],)](ptrs)
 
 
 @triton.jit

@@ -174,6 +174,14 @@ class Policy:
             p.after_step(i)
 
     @classmethod
+    def graph_reusable(cls, policies: list["Policy"]) -> bool:
+        """Whether a CUDA graph captured over a batched step of these policies (all of this class) may replay for
+        another set of streams: every launch of their decode-time hooks must find each stream's tensors through
+        tables that `prepare_step_all` rewrites in place when `held` has a "capacity" (the number of streams the
+        tables seat). By default, only where the method does nothing after a step."""
+        return cls.after_step is Policy.after_step and cls.after_step_all.__func__ is Policy.after_step_all.__func__
+
+    @classmethod
     def prepare_step_all(cls, policies: list["Policy"], held: dict) -> None:
         """Build in `held` whatever `after_step_all(policies, ..., held)` would build at its first call (its batched
         kernels' tables), without deciding anything: what a CUDA graph captured at a batch's first step needs made

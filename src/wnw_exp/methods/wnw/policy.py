@@ -493,10 +493,14 @@ class WnW(Policy):
         anchor signal `scores_acc` (graph-safe; the benchmarks' scripted anchor attention,
         `benchmarks/decode_speed.py: scripted_wnw`). None here."""
 
+    # whether `_adjust_signals` of a subclass finds each policy's tensors through tables in `held` (rewritten in
+    # place where held has a "capacity"): a graph captured over its batch may then replay for other streams
+    tabled_signals = False
+
     @classmethod
-    def _adjust_signals(cls, together: list[tuple["WnW", int | None]]) -> None:
+    def _adjust_signals(cls, together: list[tuple["WnW", int | None]], held: dict | None = None) -> None:
         """`_adjust_signal` of the policies that decide together in a batch ((policy, step) pairs): each its own
-        here; a subclass may do them in fewer launches."""
+        here; a subclass may do them in fewer launches (`held`: the batch's dict, as `after_step_all`'s)."""
         for p, i in together:
             p._adjust_signal(i)
 
@@ -593,8 +597,14 @@ class WnW(Policy):
         parts = [(p._fused_swap, p.scores_acc) for p in together]
         tables = held.get("swap_tables")
         if tables is None or tables.key != ChunkSwapTables.key_of(parts):
-            tables = held["swap_tables"] = ChunkSwapTables(parts, together[0].ctx.device)
+            if tables is None or tables.capacity is None or not tables.bind(parts):
+                tables = held["swap_tables"] = ChunkSwapTables(parts, together[0].ctx.device, held.get("capacity"))
         return tables
+
+    @staticmethod
+    def _queue_held(held: dict) -> dict:
+        """The stores' queue tables' dict in the batch's `held` (with its capacity, if any)."""
+        return held.setdefault("queue_tables", {"capacity": held.get("capacity")})
 
     @staticmethod
     def _queue_parts(together: list["WnW"]) -> list:
@@ -617,7 +627,7 @@ class WnW(Policy):
         together = [(p, i) for p, i, j in zip(policies, steps, joins) if j]
         if not together:
             return
-        cls._adjust_signals(together)
+        cls._adjust_signals(together, held)
         try:
             tables = cls._swap_tables([p for p, _ in together], held)
             tables.decide()
@@ -629,7 +639,16 @@ class WnW(Policy):
                 p._fused_swap = None
                 p._decide(i)  # its signal is adjusted already
             return
-        queue_segments_stores(cls._queue_parts([p for p, _ in together]), held.setdefault("queue_tables", {}))
+        queue_segments_stores(cls._queue_parts([p for p, _ in together]), cls._queue_held(held))
+
+    @classmethod
+    def graph_reusable(cls, policies: list["WnW"]) -> bool:
+        """Every policy decides and queues with the batch's one-launch tables (`_joins`), which are rewritten in
+        place for another set of streams, and its signal adjustment launches nothing per stream (or a subclass's
+        does it through tables, `tabled_signals`)."""
+        plain = (cls._adjust_signal is WnW._adjust_signal
+                 and cls._adjust_signals.__func__ is WnW._adjust_signals.__func__)
+        return (plain or cls.tabled_signals) and all(cls._joins(p) for p in policies)
 
     @classmethod
     def prepare_step_all(cls, policies: list["WnW"], held: dict) -> None:
@@ -638,7 +657,7 @@ class WnW(Policy):
         together = [p for p in policies if cls._joins(p)]
         if together:
             cls._swap_tables(together, held)
-            queue_segments_stores(cls._queue_parts(together), held.setdefault("queue_tables", {}), launch=False)
+            queue_segments_stores(cls._queue_parts(together), cls._queue_held(held), launch=False)
 
     def _move(self, segs: list[int], recall: bool, window: bool = False) -> None:
         """Recall or release segments `segs`' host-tier positions on every tidal head (with `window`: every fixed
@@ -680,7 +699,7 @@ class WnW(Policy):
         if self.on_device:  # the decisions recorded on the device, as the host swap lists them
             n = int(self._t)
             rec = {k: v[:n].cpu() for k, v in self._rec.items()}
-            lists = lambda m: [row.nonzero().flatten().tolist() for row in m]  # noqa: E731
+            lists = _row_lists
             resident = rec["resident"].tolist()
             n_seg = self.device_swap.n_seg
             self._trace = dict(selected_chunks=lists(rec["selected"]), recalled_segments=lists(rec["recall"]),
@@ -690,3 +709,12 @@ class WnW(Policy):
             if "window" in rec:
                 self._trace["window_segments"] = lists(rec["window"])
         return dict(wnw=self._trace, roles=self.roles.tolist(), retention=np.round(self.retention, 6).tolist())
+
+
+def _row_lists(m: torch.Tensor) -> list[list[int]]:
+    """Each row's nonzero columns (a (steps, n) mask), in one pass (a row at a time costs ~10 us a row)."""
+    rows, cols = np.nonzero(m.numpy())
+    out: list[list[int]] = [[] for _ in range(m.shape[0])]
+    for r, c in zip(rows.tolist(), cols.tolist()):
+        out[r].append(c)
+    return out

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from wnw_exp.kv.triton_moves import table_field
+from wnw_exp.kv.triton_moves import AddressRows, table_field
 
 # The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses), then its sizes.
 (_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
@@ -37,79 +37,100 @@ _NF = tl.constexpr(NF)
 @triton.jit
 def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
     st = tl.program_id(0)
-    a_ptr, rec_ptr = table_field(tbl, st, _A, tl.float32, _NF), table_field(tbl, st, _RECALLED, tl.int8, _NF)
-    unsel_ptr, sel_ptr = table_field(tbl, st, _UNSEL, tl.int64, _NF), table_field(tbl, st, _SEL, tl.int8, _NF)
-    recall_ptr = table_field(tbl, st, _RECALL, tl.int8, _NF)
-    release_ptr = table_field(tbl, st, _RELEASE, tl.int8, _NF)
-    t_ptr, rec_res_ptr = table_field(tbl, st, _T, tl.int64, _NF), table_field(tbl, st, _R_RES, tl.int64, _NF)
-    rec_sel_ptr = table_field(tbl, st, _R_SEL, tl.int8, _NF)
-    rec_recall_ptr = table_field(tbl, st, _R_RECALL, tl.int8, _NF)
-    rec_release_ptr = table_field(tbl, st, _R_RELEASE, tl.int8, _NF)
-    N, n_s = tl.load(tbl + st * _NF + _N), tl.load(tbl + st * _NF + _NS)
-    n_c, top_k = tl.load(tbl + st * _NF + _NC), tl.load(tbl + st * _NF + _TOPK)
-    delta = tl.load(tbl + st * _NF + _DELTA)
-    n_seg = (N + n_s - 1) // n_s
-    # chunks: start c * n_s while the previous chunk ended before N
-    n_ch = tl.maximum((tl.maximum(N - n_c, 0) + n_s - 1) // n_s + 1, 1)
-    c = tl.arange(0, C_PAD)
-    c_ok = c < n_ch
-    start = c.to(tl.int64) * n_s
-    end = tl.minimum(start + n_c, N)
-    total = tl.zeros([C_PAD], tl.float64)
-    for j in range(0, n_c):  # in order, as one running float64 sum per chunk
-        p = start + j
-        m = c_ok & (p < end)
-        total += tl.load(a_ptr + p, mask=m, other=0.0).to(tl.float64)
-    length = tl.maximum(end - start, 1).to(tl.float64)
-    mean = tl.where(c_ok, total / length, float("-inf"))
-    k = tl.minimum(top_k, n_ch)
-    selected = tl.zeros([C_PAD], tl.int1)
-    s = tl.arange(0, S_PAD)
-    s_ok = s < n_seg
-    wanted = tl.zeros([S_PAD], tl.int1)
-    for it in range(0, K_MAX):
-        best = tl.argmax(mean, 0, tie_break_left=True)
-        take = it < k
-        selected = selected | ((c == best) & take)
-        mean = tl.where(c == best, float("-inf"), mean)
-        # segments of chunk `best`: from its first token's to its last token's
-        b_start = best.to(tl.int64) * n_s
-        b_end = tl.minimum(b_start + n_c, N)
-        wanted = wanted | (s_ok & take & (s >= b_start // n_s) & (s <= (b_end - 1) // n_s))
-    recalled = tl.load(rec_ptr + s, mask=s_ok, other=0) != 0
-    unsel = tl.load(unsel_ptr + s, mask=s_ok, other=0)
-    recall = wanted & ~recalled
-    recalled = recalled | wanted
-    unsel = tl.where(wanted, 0, unsel)
-    idle = recalled & ~wanted
-    unsel = unsel + idle.to(unsel.dtype)
-    release = idle & (unsel >= delta)
-    recalled = recalled & ~release
-    unsel = tl.where(release, 0, unsel)
-    tl.store(rec_ptr + s, recalled.to(tl.int8), mask=s_ok)
-    tl.store(unsel_ptr + s, unsel, mask=s_ok)
-    tl.store(sel_ptr + c, selected.to(tl.int8), mask=c_ok)
-    tl.store(recall_ptr + s, recall.to(tl.int8), mask=s_ok)
-    tl.store(release_ptr + s, release.to(tl.int8), mask=s_ok)
-    # the records, at this stream's decision counter
-    t = tl.load(t_ptr)  # the record rows are n_ch / n_seg wide
-    tl.store(rec_sel_ptr + t * n_ch + c, selected.to(tl.int8), mask=c_ok)
-    tl.store(rec_recall_ptr + t * n_seg + s, recall.to(tl.int8), mask=s_ok)
-    tl.store(rec_release_ptr + t * n_seg + s, release.to(tl.int8), mask=s_ok)
-    tl.store(rec_res_ptr + t, tl.sum(recalled.to(tl.int64), 0))
-    tl.store(t_ptr, t + 1)
-    for p0 in range(0, N, 1024):  # the scores start again from zero for the next step
-        p = p0 + tl.arange(0, 1024)
-        tl.store(a_ptr + p, tl.zeros([1024], tl.float32), mask=p < N)
+    if tl.load(tbl + st * _NF + _N) > 0:  # (a row of a table made for more streams than it holds: nothing)
+        a_ptr, rec_ptr = table_field(tbl, st, _A, tl.float32, _NF), table_field(tbl, st, _RECALLED, tl.int8, _NF)
+        unsel_ptr, sel_ptr = table_field(tbl, st, _UNSEL, tl.int64, _NF), table_field(tbl, st, _SEL, tl.int8, _NF)
+        recall_ptr = table_field(tbl, st, _RECALL, tl.int8, _NF)
+        release_ptr = table_field(tbl, st, _RELEASE, tl.int8, _NF)
+        t_ptr, rec_res_ptr = table_field(tbl, st, _T, tl.int64, _NF), table_field(tbl, st, _R_RES, tl.int64, _NF)
+        rec_sel_ptr = table_field(tbl, st, _R_SEL, tl.int8, _NF)
+        rec_recall_ptr = table_field(tbl, st, _R_RECALL, tl.int8, _NF)
+        rec_release_ptr = table_field(tbl, st, _R_RELEASE, tl.int8, _NF)
+        N, n_s = tl.load(tbl + st * _NF + _N), tl.load(tbl + st * _NF + _NS)
+        n_c, top_k = tl.load(tbl + st * _NF + _NC), tl.load(tbl + st * _NF + _TOPK)
+        delta = tl.load(tbl + st * _NF + _DELTA)
+        n_seg = (N + n_s - 1) // n_s
+        # chunks: start c * n_s while the previous chunk ended before N
+        n_ch = tl.maximum((tl.maximum(N - n_c, 0) + n_s - 1) // n_s + 1, 1)
+        c = tl.arange(0, C_PAD)
+        c_ok = c < n_ch
+        start = c.to(tl.int64) * n_s
+        end = tl.minimum(start + n_c, N)
+        total = tl.zeros([C_PAD], tl.float64)
+        for j in range(0, n_c):  # in order, as one running float64 sum per chunk
+            p = start + j
+            m = c_ok & (p < end)
+            total += tl.load(a_ptr + p, mask=m, other=0.0).to(tl.float64)
+        length = tl.maximum(end - start, 1).to(tl.float64)
+        mean = tl.where(c_ok, total / length, float("-inf"))
+        k = tl.minimum(top_k, n_ch)
+        selected = tl.zeros([C_PAD], tl.int1)
+        s = tl.arange(0, S_PAD)
+        s_ok = s < n_seg
+        wanted = tl.zeros([S_PAD], tl.int1)
+        for it in range(0, K_MAX):
+            best = tl.argmax(mean, 0, tie_break_left=True)
+            take = it < k
+            selected = selected | ((c == best) & take)
+            mean = tl.where(c == best, float("-inf"), mean)
+            # segments of chunk `best`: from its first token's to its last token's
+            b_start = best.to(tl.int64) * n_s
+            b_end = tl.minimum(b_start + n_c, N)
+            wanted = wanted | (s_ok & take & (s >= b_start // n_s) & (s <= (b_end - 1) // n_s))
+        recalled = tl.load(rec_ptr + s, mask=s_ok, other=0) != 0
+        unsel = tl.load(unsel_ptr + s, mask=s_ok, other=0)
+        recall = wanted & ~recalled
+        recalled = recalled | wanted
+        unsel = tl.where(wanted, 0, unsel)
+        idle = recalled & ~wanted
+        unsel = unsel + idle.to(unsel.dtype)
+        release = idle & (unsel >= delta)
+        recalled = recalled & ~release
+        unsel = tl.where(release, 0, unsel)
+        tl.store(rec_ptr + s, recalled.to(tl.int8), mask=s_ok)
+        tl.store(unsel_ptr + s, unsel, mask=s_ok)
+        tl.store(sel_ptr + c, selected.to(tl.int8), mask=c_ok)
+        tl.store(recall_ptr + s, recall.to(tl.int8), mask=s_ok)
+        tl.store(release_ptr + s, release.to(tl.int8), mask=s_ok)
+        # the records, at this stream's decision counter
+        t = tl.load(t_ptr)  # the record rows are n_ch / n_seg wide
+        tl.store(rec_sel_ptr + t * n_ch + c, selected.to(tl.int8), mask=c_ok)
+        tl.store(rec_recall_ptr + t * n_seg + s, recall.to(tl.int8), mask=s_ok)
+        tl.store(rec_release_ptr + t * n_seg + s, release.to(tl.int8), mask=s_ok)
+        tl.store(rec_res_ptr + t, tl.sum(recalled.to(tl.int64), 0))
+        tl.store(t_ptr, t + 1)
+        for p0 in range(0, N, 1024):  # the scores start again from zero for the next step
+            p = p0 + tl.arange(0, 1024)
+            tl.store(a_ptr + p, tl.zeros([1024], tl.float32), mask=p < N)
 
 
 class ChunkSwapTables:
     """The decisions of several streams' chunk swaps in one launch (`decide`); see the module docstring. `parts`:
     (its `FusedChunkSwap`, its scores (n_audio,) float32) per stream. The tensors' addresses are in a table
-    (`ptrs`, one row of NF fields per stream): made once, outside any graph capture, and rebuilt when any of them
-    changes (`key`: compare `ChunkSwapTables.key_of(parts)`); the tensors are kept alive here."""
+    (`ptrs`, one row of NF fields per stream): made outside any graph capture, and rebuilt when any of them
+    changes (`key`: compare `ChunkSwapTables.key_of(parts)`), or, made with a `capacity` (streams), rewritten in
+    place by `bind` for another set of streams of no more chunks, segments and top_k (a fixed grid: a graph captured
+    over the launch follows them); the tensors are kept alive here."""
 
-    def __init__(self, parts: list, device: torch.device):
+    def __init__(self, parts: list, device: torch.device, capacity: int | None = None):
+        self.capacity = capacity
+        self.table = AddressRows(max(len(parts) if capacity is None else capacity, 1), NF, device)
+        self.ptrs = self.table.ptrs
+        self.pads = self.pads_of(parts)
+        self.bind(parts)
+
+    @staticmethod
+    def pads_of(parts: list) -> dict:
+        """The kernel's compile-time bounds for `parts`: chunks, segments (powers of two) and top_k."""
+        return dict(C_PAD=max(16, triton.next_power_of_2(max((f.swap.n_chunks for f, _ in parts), default=1))),
+                    S_PAD=max(16, triton.next_power_of_2(max((f.swap.n_seg for f, _ in parts), default=1))),
+                    K_MAX=max(1, max((f.top_k for f, _ in parts), default=1)))
+
+    def bind(self, parts: list) -> bool:
+        """Rewrite the table for `parts` (outside a graph capture); False (nothing changed) where they do not fit."""
+        pads = self.pads_of(parts)
+        if len(parts) > self.table.capacity or any(pads[k] > self.pads[k] for k in pads):
+            return False
         rows, keep = [], []
         for fused, scores in parts:
             assert scores.is_contiguous() and scores.dtype == torch.float32
@@ -119,13 +140,10 @@ class ChunkSwapTables:
                   r["selected"], r["recall"], r["release"], r["resident"]]
             keep += ts
             rows.append([x.data_ptr() for x in ts] + [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta])
+        self.table.write(rows, keep)
         self.key = self.key_of(parts)
-        self._keep = keep
-        self.n = len(rows)
-        self.ptrs = torch.tensor(rows, dtype=torch.int64, device=device).view(-1, NF)
-        self.pads = dict(C_PAD=max(16, triton.next_power_of_2(max(f.swap.n_chunks for f, _ in parts))),
-                         S_PAD=max(16, triton.next_power_of_2(max(f.swap.n_seg for f, _ in parts))),
-                         K_MAX=max(1, max(f.top_k for f, _ in parts)))
+        self.n = len(rows) if self.capacity is None else self.table.capacity
+        return True
 
     @staticmethod
     def key_of(parts: list) -> list:
@@ -134,7 +152,8 @@ class ChunkSwapTables:
 
     def decide(self) -> None:
         """Every stream's decision, records, counter and score reset (`_chunk_swap_kernel`, one program each)."""
-        _chunk_swap_kernel[(self.n,)](self.ptrs, **self.pads)
+        if self.n:
+            _chunk_swap_kernel[(self.n,)](self.ptrs, **self.pads)
 
 
 class FusedChunkSwap:

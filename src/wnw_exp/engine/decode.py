@@ -356,10 +356,12 @@ class TokenRunner:
 
 
 def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, keep_logits: bool,
-              warmed: set | None = None) -> tuple[list[int], list | None]:
-    """One decode step of every running stream; their next tokens (one host read) and, if kept, logits. `warmed`:
-    the batch shapes (`_warm_key`) whose kernels have run, kept by the caller across compositions: a new composition
-    of such a shape is captured at its first step (no eager warm-up step)."""
+              warmed: set | None = None):
+    """Launch one decode step of every running stream; returns `collect()`, which waits for it and gives their next
+    tokens (one host read) and, if kept, logits. Between the two the host is free for other work (the engine's
+    admissions) while the GPU runs the step. `warmed`: the batch shapes (`_warm_key`) whose kernels have run, kept
+    by the caller across compositions: a new composition of such a shape is captured at its first step (no eager
+    warm-up step)."""
     if active[0].step is not None:  # each stream on its own step (reference path, or no pool): failures its own
         tokens = []
         for st in active:
@@ -377,7 +379,8 @@ def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, 
                 tokens.append(int(st.step.tok))
             except Exception as e:  # noqa: BLE001
                 tokens.append(e)
-        return tokens, [st.step.logits for st in active] if keep_logits else None
+        logits = [st.step.logits for st in active] if keep_logits else None
+        return lambda: (tokens, logits)
     graph = all(st.path.graph and st.store.graph_safe for st in active)
     if "runner" not in batched:  # a new composition of the batch
         t0 = time.perf_counter()
@@ -401,7 +404,23 @@ def step_streams(backbone: Backbone, active: list[Stream], batched: dict, side, 
     if warmed is not None and graph:  # this batch shape's kernels have run (eagerly or in a capture)
         warmed.add(batched["warm_key"])
     n = len(active)
-    return step.tok.view(-1)[:n].tolist(), list(step.logits[:n]) if keep_logits else None
+    logits = list(step.logits[:n]) if keep_logits else None
+    if backbone.device.type != "cuda":
+        tokens = step.tok.view(-1)[:n].tolist()
+        return lambda: (tokens, logits)
+    # the tokens to pinned host memory behind the step, and an event: what the engine launches on the device
+    # meanwhile (a prefill's placement, and a wait for it) does not delay reading them
+    host = batched.get("host_tok")
+    if host is None or host.numel() < step.tok.numel():
+        host = batched["host_tok"] = torch.empty(max(step.tok.numel(), 64), dtype=torch.long, pin_memory=True)
+    host[: step.tok.numel()].copy_(step.tok.view(-1), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def collect():
+        done.synchronize()
+        return host[:n].tolist(), logits
+    return collect
 
 
 # Batch-size buckets: a batch of n streams on the reusable path runs in the smallest bucket >= n (then multiples

@@ -168,6 +168,39 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     laps = _Laps(stats.wall_s)
     stats.started_at = laps.t
     while True:
+        # 1. The running streams' next step, launched: the admission work below runs on the host meanwhile.
+        collect = None
+        if active:
+            laps.lap("loop")
+            preempted, failed_growth = _grow_dense(active)
+            for st in preempted:  # newest first (their memory is already free): the oldest ends at the head of the queue
+                stats.preempted.append(st.key)
+                queue.appendleft(st.request)
+            laps.lap("grow")
+            for st, e in failed_growth:
+                _leave(st)
+                laps.lap("finish")
+                yield st.key, e
+                laps.lap("caller")
+            if preempted or failed_growth:
+                _recompose(batched)
+                waiting_for_room = False
+            if active:
+                laps.lap("loop")
+                try:
+                    collect = step_streams(backbone, active, batched, side, keep_logits, warmed)
+                except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
+                    laps.lap("step")
+                    for st in active:
+                        _leave(st)
+                        laps.lap("finish")
+                        yield st.key, e
+                        laps.lap("caller")
+                    active, batched, waiting_for_room = [], {}, False
+                    continue
+                launch_s = laps.lap("step")
+        # 2. Admission: the next request's set-up, a chunk of its prefill, its placement; it joins after the step.
+        joining = None
         if admitting is None and (queue or arriving is not None or not exhausted) and len(active) < limit:
             req = queue.popleft() if queue else None
             if req is None:
@@ -198,7 +231,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     laps.lap("setup")
                     yield req.key, e
                     laps.lap("caller")
-                    continue
+                    req = None
         if admitting is not None:
             st, layers = admitting
             try:
@@ -218,9 +251,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                         admitting = None
                         stats.first_token_at.setdefault(st.key, st.emitted_at[0])
                         if joined:
-                            stats.joined_at[st.key] = len(stats.batch_sizes)
-                            active.append(st)
-                            _recompose(batched)
+                            joining = st
                         else:  # its first token ended it
                             result = st.result()
                             _leave(st)
@@ -233,66 +264,44 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 laps.lap("finish")
                 yield st.key, e
                 laps.lap("caller")
-        if not active:
-            if admitting is None and arriving is None and exhausted and not queue:
-                laps.lap("loop")
-                return
-            continue
-        laps.lap("loop")
-        preempted, failed_growth = _grow_dense(active)
-        for st in preempted:  # newest first (their memory is already free): the oldest ends at the head of the queue
-            stats.preempted.append(st.key)
-            queue.appendleft(st.request)
-        laps.lap("grow")
-        for st, e in failed_growth:
-            _leave(st)
-            laps.lap("finish")
-            yield st.key, e
-            laps.lap("caller")
-        if preempted or failed_growth:
+        # 3. The step's tokens: emitted, finished streams leave; then the admitted stream joins.
+        if collect is not None:
+            laps.lap("loop")
+            tokens, logits = collect()
+            ms = (launch_s + laps.lap("step")) * 1e3  # its launch and the wait for it (the host work between apart)
+            stats.step_at.append(laps.t)
+            stats.batch_sizes.append(len(active))
+            stats.step_ms.append(ms)
+            stats.step_kinds.append(batched["runner"].last if "runner" in batched else "eager")
+            stats.step_build_ms.append(batched.pop("build_ms", 0.0))
+            stats.step_after_ms.append(batched.pop("after_ms", 0.0))
+            failed = {}
+            for b, st in enumerate(active):
+                if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
+                    failed[id(st)] = tokens[b]
+                    st.done = True
+                    continue
+                st.step_ms.append(ms)
+                st.emit(tokens[b], logits[b] if logits is not None else None)
+            laps.lap("emit")
+            if any(st.done for st in active):
+                for st in [st for st in active if st.done]:
+                    stats.emitted_at[st.key] = st.emitted_at
+                    result = failed.get(id(st)) or st.result()
+                    _leave(st)
+                    laps.lap("finish")
+                    yield st.key, result
+                    laps.lap("caller")
+                active = [st for st in active if not st.done]
+                _recompose(batched)
+                waiting_for_room = False
+        if joining is not None:
+            stats.joined_at[joining.key] = len(stats.batch_sizes)
+            active.append(joining)
             _recompose(batched)
-            waiting_for_room = False
-            if not active:
-                continue
-        laps.lap("loop")
-        try:
-            tokens, logits = step_streams(backbone, active, batched, side, keep_logits, warmed)
-        except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
-            laps.lap("step")
-            for st in active:
-                _leave(st)
-                laps.lap("finish")
-                yield st.key, e
-                laps.lap("caller")
-            active, batched, waiting_for_room = [], {}, False
-            continue
-        ms = laps.lap("step") * 1e3
-        stats.step_at.append(laps.t)
-        stats.batch_sizes.append(len(active))
-        stats.step_ms.append(ms)
-        stats.step_kinds.append(batched["runner"].last if "runner" in batched else "eager")
-        stats.step_build_ms.append(batched.pop("build_ms", 0.0))
-        stats.step_after_ms.append(batched.pop("after_ms", 0.0))
-        failed = {}
-        for b, st in enumerate(active):
-            if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
-                failed[id(st)] = tokens[b]
-                st.done = True
-                continue
-            st.step_ms.append(ms)
-            st.emit(tokens[b], logits[b] if logits is not None else None)
-        laps.lap("emit")
-        if any(st.done for st in active):
-            for st in [st for st in active if st.done]:
-                stats.emitted_at[st.key] = st.emitted_at
-                result = failed.get(id(st)) or st.result()
-                _leave(st)
-                laps.lap("finish")
-                yield st.key, result
-                laps.lap("caller")
-            active = [st for st in active if not st.done]
-            _recompose(batched)
-            waiting_for_room = False
+        if not active and admitting is None and arriving is None and exhausted and not queue:
+            laps.lap("loop")
+            return
 
 
 def _recompose(batched: dict) -> None:

@@ -103,3 +103,40 @@ def test_a_composition_of_a_warm_shape_is_captured_at_its_first_step_and_changes
     firsts = [(stats.batch_sizes[j], stats.step_kinds[j]) for j in starts]
     assert firsts[0] == (1, "eager")  # nothing warm yet
     assert (2, "eager") in firsts and (2, "capture") in firsts  # the first pair warmed up, a later pair did not
+
+
+@pytest.mark.parametrize("store_kind", ["reference", "packed"])
+@torch.no_grad()
+def test_placements_of_consecutive_layers_in_one_call_set_what_one_call_a_layer_sets(store_kind):
+    """`methods.base.apply_placements`: runs of consecutive layers in one `set_tiers_block` call, layers without a
+    host tier or a head selection among them, a gap between runs, against `Placement.apply` layer by layer."""
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.kv.reference import AudioKVStore
+    from wnw_exp.methods.base import Placement, apply_placements
+
+    L, H, D, N = 5, 2, 4, 24
+    g = torch.Generator().manual_seed(0)
+
+    def make():
+        cls = PackedAudioKVStore if store_kind == "packed" else AudioKVStore
+        kw = dict(kernels="torch") if store_kind == "packed" else {}
+        st = cls(L, H, D, N, torch.device("cpu"), torch.float32, 4, **kw)
+        gk = torch.Generator().manual_seed(1)
+        for li in range(L):
+            k, v = torch.randn(H, N + 3, D, generator=gk), torch.randn(H, N + 3, D, generator=gk)
+            st.write_prefill(li, k, v, (1, N + 1))
+        return st
+
+    placements = []
+    for li in (0, 1, 2, 4):  # layer 3 keeps everything: two runs
+        gpu = torch.rand(H, N, generator=g) < 0.4
+        cpu = (~gpu & (torch.rand(H, N, generator=g) < 0.5)) if li != 1 else None
+        select = torch.tensor([True, li != 2])
+        placements.append((li, Placement(gpu, cpu, select if li in (2, 4) else None)))
+    one, each = make(), make()
+    apply_placements(one, placements)
+    for li, p in placements:
+        p.apply(each, li)
+    assert _tiers(one) == _tiers(each)
+    if store_kind == "packed":
+        assert torch.equal(one.audio_k, each.audio_k) and torch.equal(one.audio_v, each.audio_v)

@@ -19,7 +19,7 @@ import torch
 from wnw_exp.backbones.base import Backbone, Prompt
 from wnw_exp.backbones.layer import causal_attention, decoder_layer
 from wnw_exp.engine.step import BatchedFusedStep, CapturedStep, FusedStep, TorchStep
-from wnw_exp.methods.base import Policy, PrefillScores, SampleContext
+from wnw_exp.methods.base import Policy, PrefillScores, SampleContext, apply_placements
 
 
 @dataclass
@@ -230,8 +230,8 @@ class Stream:
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
         t0 = time.perf_counter()
-        for li, scores in self._scores:
-            place(self.policy, self.store, li, scores)
+        placed = [(li, p) for li, scores in self._scores if (p := self.policy.place(li, scores)) is not None]
+        apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
         if reserve_blocks:
             self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)

@@ -173,7 +173,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
         if active:
             laps.lap("loop")
             preempted, failed_growth = _grow_dense(active)
-            for st in preempted:  # newest first (their memory is already free): the oldest ends at the head of the queue
+            for st in preempted:  # newest first (their memory is free already): the oldest ends up first in the queue
                 stats.preempted.append(st.key)
                 queue.appendleft(st.request)
             laps.lap("grow")

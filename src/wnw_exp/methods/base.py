@@ -86,6 +86,35 @@ class Placement:
         store.set_tiers_block(layer * self.gpu.shape[0], self.gpu, self.cpu, self.select)
 
 
+def apply_placements(store: KVStore, placements: list[tuple[int, Placement]]) -> None:
+    """Several layers' placements ((layer, Placement), in layer order) in the store: each run of consecutive layers of
+    the same shape in one `set_tiers_block` call (consecutive layers' rows are consecutive and each row is set on its
+    own, so one call sets what one call per layer would; a layer without `cpu` gets none, one without `select` every
+    head), a few launches for every layer at once instead of a few per layer."""
+    i = 0
+    while i < len(placements):
+        j = i + 1
+        while (j < len(placements) and placements[j][0] == placements[j - 1][0] + 1
+               and placements[j][1].gpu.shape == placements[i][1].gpu.shape):
+            j += 1
+        run = placements[i:j]
+        i = j
+        if len(run) == 1:
+            layer, p = run[0]
+            p.apply(store, layer)
+            continue
+        (layer0, first), dev = run[0], run[0][1].gpu.device
+        H = first.gpu.shape[0]
+        gpu = torch.cat([p.gpu.to(dev, torch.bool) for _, p in run])
+        cpu = None if all(p.cpu is None for _, p in run) else torch.cat(
+            [p.cpu.to(dev, torch.bool) if p.cpu is not None else torch.zeros_like(p.gpu, dtype=torch.bool, device=dev)
+             for _, p in run])
+        select = None if all(p.select is None for _, p in run) else torch.cat(
+            [p.select.to(dev, torch.bool) if p.select is not None else torch.ones(H, dtype=torch.bool, device=dev)
+             for _, p in run])
+        store.set_tiers_block(layer0 * H, gpu, cpu, select)
+
+
 class Policy:
     """The protocol, and its default: keeps every audio position on the device and never moves anything."""
 

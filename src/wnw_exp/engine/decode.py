@@ -129,22 +129,26 @@ class Stream:
         n_kv, d = backbone.n_kv_heads, backbone.head_dim
         self.ctx = SampleContext(backbone.n_layers, backbone.n_q_heads, n_kv, d, backbone.token_rate, prompt.n_audio,
                                  retention, dev)
-        if path.store == "packed":
-            from wnw_exp.kv.packed import PackedAudioKVStore
+        # the store and the method's state are made on the prefill's stream (with `overlap`, their first device
+        # work is ordered before the prefill that follows, whatever runs on the current stream meanwhile)
+        with self._on_overlap():
+            if path.store == "packed":
+                from wnw_exp.kv.packed import PackedAudioKVStore
 
-            self.store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
-                                            max_new_tokens + 1, kernels=path.kernels, pool=pool,
-                                            expected_new_tokens=expected_new_tokens, host_mirror=policy.host_mirror(self.ctx))
-        else:
-            if pool is not None:
-                raise ValueError("a KV pool is the packed store's (store=packed)")
-            from wnw_exp.kv.reference import AudioKVStore
+                self.store = PackedAudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
+                                                max_new_tokens + 1, kernels=path.kernels, pool=pool,
+                                                expected_new_tokens=expected_new_tokens,
+                                                host_mirror=policy.host_mirror(self.ctx))
+            else:
+                if pool is not None:
+                    raise ValueError("a KV pool is the packed store's (store=packed)")
+                from wnw_exp.kv.reference import AudioKVStore
 
-            self.store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
-                                      max_new_tokens + 1)
-        if self.defer_place:  # every layer placed at once: one read of the store's checks, at its compaction
-            self.store.defer_checks()
-        policy.start(self.ctx, self.store)
+                self.store = AudioKVStore(backbone.n_layers, n_kv, d, prompt.n_audio, dev, backbone.dtype,
+                                          max_new_tokens + 1)
+            if self.defer_place:  # every layer placed at once: one read of the store's checks, at its compaction
+                self.store.defer_checks()
+            policy.start(self.ctx, self.store)
         self.tokens: list[int] = []
         self.emitted_at: list[float] = []  # perf_counter() when each token was there (inter-token latency)
         self.step_ms: list[float] = []

@@ -53,6 +53,15 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
+def _h2d(x, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array (or list) on `device` with no host wait: on CUDA copied from pinned memory, asynchronously (a
+    plain copy from pageable memory waits for the stream's queued work: a decode step in flight, a prefill)."""
+    t = torch.as_tensor(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -131,7 +140,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self._pending_checks: torch.Tensor | None = None  # `defer_checks`
         self.host_row = np.full(R, -1, np.int64)  # each row's mirror row (-1: none)
         self.host_row[mirrored] = np.arange(len(mirrored))
-        self._host_row = torch.as_tensor(self.host_row, device=dev)
+        self._host_row = _h2d(self.host_row, dev)
         # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B), or
         # only the mirrored rows': only for a method with a CPU tier; in a pool, out of its host arena
         # (`KVPool.host_buffer`)
@@ -148,7 +157,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self._union: int | None = None
         self.dense_k: torch.Tensor | None = None
         self.dense_v: torch.Tensor | None = None
-        self._lens = torch.tensor([0, 1], device=dev, dtype=torch.long)  # one add advances both (`advance`)
+        self._lens = _h2d([0, 1], dev, torch.long)  # one add advances both (`advance`)
         self.dense_len, self.dense_len_next = self._lens[0:1], self._lens[1:2]
         self._dense_n = 0  # host copy of dense_len for the eager `attend` (not advanced by graph replays)
         self.layer_audio = [N] * L
@@ -163,8 +172,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     def _set_layout(self) -> None:
         self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
-        self._offsets = torch.as_tensor(self.base[:-1], dtype=torch.int32, device=self.device)
-        self._caps = torch.as_tensor(self.caps, dtype=torch.int32, device=self.device)
+        self._offsets = _h2d(self.base[:-1], self.device, torch.int32)
+        self._caps = _h2d(self.caps, self.device, torch.int32)
         self._max_cap = int(self.caps.max()) if len(self.caps) else 0
         self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
 
@@ -200,7 +209,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         heads = np.flatnonzero(self.host_row[layer * H:(layer + 1) * H] >= 0)  # the layer's mirrored heads
         if len(heads):  # their mirror rows are consecutive (rows in order)
             m0 = int(self.host_row[layer * H + heads[0]])
-            pick = slice(None) if len(heads) == H else torch.as_tensor(heads, device=k.device)
+            pick = slice(None) if len(heads) == H else _h2d(heads, k.device)
             self.host_k[m0:m0 + len(heads)].copy_(k[pick, s:e], non_blocking=True)
             self.host_v[m0:m0 + len(heads)].copy_(v[pick, s:e], non_blocking=True)
 
@@ -307,7 +316,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             self.audio_pos = self.audio_pos[keep]
             self.caps = new_caps
             self._set_layout()
-        self.audio_len.view(-1).copy_(torch.as_tensor(n_res, device=self.device))
+        self.audio_len.view(-1).copy_(_h2d(n_res, self.device))
         self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
         self._blocks = None
         self._flush_blocks()
@@ -358,8 +367,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
                            f"{pool.capacity_bytes / 1e6:.1f} MB of which {pool.stats()['used_bytes'] / 1e6:.1f} in use")
         ext = self.extent = pool.alloc(n_audio_rows)
         k, v, pos = pool.views(ext)
-        keep = torch.as_tensor(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]),
-                               device=self.device)
+        keep = _h2d(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]), self.device)
         torch.index_select(self.audio_k, 0, keep, out=k)
         torch.index_select(self.audio_v, 0, keep, out=v)
         self.audio_k, self.audio_v = k, v  # the full prefill buffers are freed here

@@ -2,7 +2,9 @@
 
 Methods act only through the policy hooks; the engine has no `if method == ...`. The decode step is
 `engine.step.TorchStep` (the reference) or `engine.step.FusedStep` (the fast path), optionally replayed from a
-CUDA graph: options of this one loop, not second decoders.
+CUDA graph: options of this one loop, not second decoders. A batch on a KV pool steps together
+(`engine.step.BatchedFusedStep`, `step_streams`), one step and its graphs per batch-size bucket (`BUCKETS`) where
+the methods allow it (`Policy.graph_reusable`).
 """
 
 from __future__ import annotations

@@ -215,7 +215,6 @@ class BatchedFusedStep:
         self.streams = streams
         grown = self.layout.bind(stores, self.KEY_ROUND if self.capacity is not None else 1)
         self.max_keys = self.layout.max_keys
-        self.layouts = [s.attention_layout() for s in stores]
         T = max(st.cos.shape[0] for st in streams)
         if self.cos is None or T > self.cos.shape[1]:
             T = T if self.capacity is None else -(-T // 1024) * 1024
@@ -278,7 +277,7 @@ class BatchedFusedStep:
                 self.observer_sums[li](self.q, pool.k, lay.audio_off[li], lse, w.scale)
             for b, heads, probs in self.observe[li]:
                 self.probs(self.q[b], pool.k, pool.pos, lay.audio_off[li, b], alen[b], lse[b], w.scale, heads,
-                           probs, self.layouts[b].max_audio_per_head)
+                           probs, lay.layouts[b].max_audio_per_head)
                 acc = self.streams[b].policy.observe_sum(li)
                 if acc is not None:
                     acc += probs.sum(dim=0)

@@ -53,11 +53,11 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def _h2d(x, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host array (or list) on `device` with no host wait: on CUDA copied from pinned memory, asynchronously (a
     plain copy from pageable memory waits for the stream's queued work: a decode step in flight, a prefill)."""
     t = torch.as_tensor(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x, dtype=dtype)
-    if device.type == "cuda":
+    if device.type == "cuda" and t.numel():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
@@ -140,7 +140,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self._pending_checks: torch.Tensor | None = None  # `defer_checks`
         self.host_row = np.full(R, -1, np.int64)  # each row's mirror row (-1: none)
         self.host_row[mirrored] = np.arange(len(mirrored))
-        self._host_row = _h2d(self.host_row, dev)
+        self._host_row = to_device(self.host_row, dev)
         # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B), or
         # only the mirrored rows': only for a method with a CPU tier; in a pool, out of its host arena
         # (`KVPool.host_buffer`)
@@ -157,7 +157,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self._union: int | None = None
         self.dense_k: torch.Tensor | None = None
         self.dense_v: torch.Tensor | None = None
-        self._lens = _h2d([0, 1], dev, torch.long)  # one add advances both (`advance`)
+        self._lens = to_device([0, 1], dev, torch.long)  # one add advances both (`advance`)
         self.dense_len, self.dense_len_next = self._lens[0:1], self._lens[1:2]
         self._dense_n = 0  # host copy of dense_len for the eager `attend` (not advanced by graph replays)
         self.layer_audio = [N] * L
@@ -172,8 +172,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     def _set_layout(self) -> None:
         self.base = np.concatenate([[0], np.cumsum(self.caps)])  # first slot of each row; base[-1] = C
-        self._offsets = _h2d(self.base[:-1], self.device, torch.int32)
-        self._caps = _h2d(self.caps, self.device, torch.int32)
+        self._offsets = to_device(self.base[:-1], self.device, torch.int32)
+        self._caps = to_device(self.caps, self.device, torch.int32)
         self._max_cap = int(self.caps.max()) if len(self.caps) else 0
         self._blocks: dict | None = None  # the rows a flush works on (`_flush_blocks`), made when first needed
 
@@ -209,7 +209,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         heads = np.flatnonzero(self.host_row[layer * H:(layer + 1) * H] >= 0)  # the layer's mirrored heads
         if len(heads):  # their mirror rows are consecutive (rows in order)
             m0 = int(self.host_row[layer * H + heads[0]])
-            pick = slice(None) if len(heads) == H else _h2d(heads, k.device)
+            pick = slice(None) if len(heads) == H else to_device(heads, k.device)
             self.host_k[m0:m0 + len(heads)].copy_(k[pick, s:e], non_blocking=True)
             self.host_v[m0:m0 + len(heads)].copy_(v[pick, s:e], non_blocking=True)
 
@@ -316,7 +316,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             self.audio_pos = self.audio_pos[keep]
             self.caps = new_caps
             self._set_layout()
-        self.audio_len.view(-1).copy_(_h2d(n_res, self.device))
+        self.audio_len.view(-1).copy_(to_device(n_res, self.device))
         self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
         self._blocks = None
         self._flush_blocks()
@@ -367,7 +367,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
                            f"{pool.capacity_bytes / 1e6:.1f} MB of which {pool.stats()['used_bytes'] / 1e6:.1f} in use")
         ext = self.extent = pool.alloc(n_audio_rows)
         k, v, pos = pool.views(ext)
-        keep = _h2d(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]), self.device)
+        keep = to_device(np.concatenate([np.arange(b, b + c) for b, c in zip(self.base[:-1], new_caps)]), self.device)
         torch.index_select(self.audio_k, 0, keep, out=k)
         torch.index_select(self.audio_v, 0, keep, out=v)
         self.audio_k, self.audio_v = k, v  # the full prefill buffers are freed here
@@ -825,6 +825,7 @@ class BatchLayout:
         self.audio_off = torch.zeros(L, C, H, device=device, dtype=torch.int64)
         self.table = torch.zeros(L, C, H, 1, device=device, dtype=torch.int32)
         self.stores: list = []
+        self.layouts: list = []
         self.max_keys = [1] * L
         self._rows = None
         if kernels == "triton":
@@ -838,7 +839,7 @@ class BatchLayout:
         L, H, C = self.L, self.H, self.capacity
         if len(stores) > C:
             raise ValueError(f"{len(stores)} streams for a batch layout of {C}")
-        layouts = [s.attention_layout() for s in stores]
+        self.layouts = layouts = [s.attention_layout() for s in stores]  # (each store's, as bound)
         pages = max(lay.block_table.shape[2] for lay in layouts)
         grown = pages > self.table.shape[3]
         if grown:

@@ -59,14 +59,18 @@ def table_field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _N
 
 
 class AddressRows:
-    """A multi-stream launch's address table: `capacity` rows of `nf` int64 fields (tensor addresses and sizes, one
-    row per stream) in one device tensor made once and rewritten in place (`write`), so that a CUDA graph captured
-    over the launch follows a new set of streams; rows past the streams' are zero (the kernels skip them). The
-    tensors whose addresses it holds are kept alive until the next write."""
+    """A multi-stream launch's address table: rows of `nf` int64 fields (tensor addresses and sizes, one row per
+    stream) in one device tensor made once and rewritten in place (`write`); rows past the streams' are zero (the
+    kernels skip them). Made for `n_streams` streams, or, with a `capacity`, for up to that many: then `n` (the
+    launch's programs, one a row) stays the capacity, so that a CUDA graph captured over the launch follows any new
+    set of streams; without, `n` is the rows written. The tensors whose addresses it holds are kept alive until the
+    next write."""
 
-    def __init__(self, capacity: int, nf: int, device: torch.device):
-        self.capacity, self.nf = int(capacity), nf
+    def __init__(self, n_streams: int, nf: int, device: torch.device, capacity: int | None = None):
+        self.fixed = capacity is not None
+        self.capacity, self.nf = max(int(capacity if self.fixed else n_streams), 1), nf
         self.ptrs = torch.zeros(self.capacity, nf, dtype=torch.int64, device=device)
+        self.n = self.capacity if self.fixed else 0
         self._keep: list = []
 
     def write(self, rows: list, keep: list) -> None:
@@ -78,6 +82,7 @@ class AddressRows:
             host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
         self.ptrs.copy_(host)
         self._keep = list(keep)
+        self.n = self.capacity if self.fixed else len(rows)
 
 
 @triton.jit
@@ -202,7 +207,7 @@ class FlushTables:
             n_st = capacity
             row_cap = capacity * max((st.n_rows for st, _ in parts), default=1)
             slot_cap = capacity * triton.next_power_of_2(max(slots + [1]))
-        self.table = AddressRows(max(n_st, 1), NF, device)
+        self.table = AddressRows(n_st, NF, device)
         self.ptrs = self.table.ptrs
         self.W = None
         self.row_cap, self.slot_cap = max(row_cap, 1), max(slot_cap, 1)
@@ -370,7 +375,7 @@ class SegmentQueueTables:
     BLOCK = 1024
 
     def __init__(self, parts: list, device: torch.device, capacity: int | None = None):
-        self.table = AddressRows(max(len(parts) if capacity is None else capacity, 1), QNF, device)
+        self.table = AddressRows(len(parts), QNF, device, capacity)
         self.ptrs = self.table.ptrs
         self.capacity = capacity
         # programs per store: one per block of the longest pair list it is made for (longer ones loop)
@@ -378,6 +383,8 @@ class SegmentQueueTables:
         if capacity is not None:
             self.blocks = max(self.blocks, 1)
         self.bind(parts)
+
+    n = property(lambda self: self.table.n)  # the launch's programs (streams)
 
     def bind(self, parts: list) -> bool:
         """Rewrite the table for `parts` (outside a graph capture); False where there are more than it holds."""
@@ -393,7 +400,6 @@ class SegmentQueueTables:
             rows.append([x.data_ptr() for x in ts] + [p_pos.numel(), store.slot_of.shape[1]])
         self.table.write(rows, keep)
         self.key = self.key_of(parts)
-        self.n = len(rows) if self.capacity is None else self.table.capacity
         return True
 
     @staticmethod
@@ -403,8 +409,8 @@ class SegmentQueueTables:
                 for x in (*pairs, recall, release, *(getattr(store, f) for f in QUEUE_FIELDS))]
 
     def __call__(self) -> None:
-        if self.blocks and self.n:
-            _segment_queue_tables_kernel[(self.blocks, self.n)](self.ptrs, BLOCK=self.BLOCK)
+        if self.blocks and self.table.n:
+            _segment_queue_tables_kernel[(self.blocks, self.table.n)](self.ptrs, BLOCK=self.BLOCK)
 
 
 def queue_segments(rows: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, recall: torch.Tensor,
@@ -480,9 +486,11 @@ class RecordTables:
 
     def __init__(self, stores: list, device: torch.device, capacity: int | None = None):
         self.capacity = capacity
-        self.table = AddressRows(max(len(stores) if capacity is None else capacity, 1), 6, device)
+        self.table = AddressRows(len(stores), 6, device, capacity)
         self.ptrs = self.table.ptrs
         self.bind(stores)
+
+    n = property(lambda self: self.table.n)  # the launch's programs (streams)
 
     def bind(self, stores: list) -> bool:
         """Rewrite the table for `stores` (outside a graph capture); False where there are more than it holds."""
@@ -496,7 +504,6 @@ class RecordTables:
             rows.append([t.data_ptr() for t in ts] + [store.n_resident.numel()])
         self.table.write(rows, keep)
         self.key = self.key_of(stores)
-        self.n = len(rows) if self.capacity is None else self.table.capacity
         return True
 
     @staticmethod
@@ -504,8 +511,8 @@ class RecordTables:
         return [getattr(s, f).data_ptr() for s in stores for f in RECORD_FIELDS]
 
     def __call__(self) -> None:
-        if self.n:
-            _record_step_kernel[(self.n,)](self.ptrs, BLOCK=256)
+        if self.table.n:
+            _record_step_kernel[(self.table.n,)](self.ptrs, BLOCK=256)
 
 
 # The fields of a store's row in `kv.packed.BatchLayout`'s address table: its lengths (`_lens`: dense_len,

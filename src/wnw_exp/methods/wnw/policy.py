@@ -108,7 +108,7 @@ import torch
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScores, resolve_head_scores
 from wnw_exp.kv.base import KVStore
-from wnw_exp.kv.packed import queue_segments_stores
+from wnw_exp.kv.packed import queue_segments_stores, to_device
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw.mobility import measure_swap_mobility
@@ -444,9 +444,8 @@ class WnW(Policy):
         return plan
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
-        """A host array on the sample's device; on CUDA copied from pinned memory, asynchronously (no host read)."""
-        t, dev = torch.from_numpy(np.ascontiguousarray(x)), torch.device(self.ctx.device)
-        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" and t.numel() else t.to(dev)
+        """A host array on the sample's device, with no host wait (`kv.packed.to_device`)."""
+        return to_device(x, torch.device(self.ctx.device))
 
     @property
     def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:

@@ -114,10 +114,12 @@ class ChunkSwapTables:
 
     def __init__(self, parts: list, device: torch.device, capacity: int | None = None):
         self.capacity = capacity
-        self.table = AddressRows(max(len(parts) if capacity is None else capacity, 1), NF, device)
+        self.table = AddressRows(len(parts), NF, device, capacity)
         self.ptrs = self.table.ptrs
         self.pads = self.pads_of(parts)
         self.bind(parts)
+
+    n = property(lambda self: self.table.n)  # the launch's programs (streams)
 
     @staticmethod
     def pads_of(parts: list) -> dict:
@@ -142,7 +144,6 @@ class ChunkSwapTables:
             rows.append([x.data_ptr() for x in ts] + [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta])
         self.table.write(rows, keep)
         self.key = self.key_of(parts)
-        self.n = len(rows) if self.capacity is None else self.table.capacity
         return True
 
     @staticmethod
@@ -152,8 +153,8 @@ class ChunkSwapTables:
 
     def decide(self) -> None:
         """Every stream's decision, records, counter and score reset (`_chunk_swap_kernel`, one program each)."""
-        if self.n:
-            _chunk_swap_kernel[(self.n,)](self.ptrs, **self.pads)
+        if self.table.n:
+            _chunk_swap_kernel[(self.table.n,)](self.ptrs, **self.pads)
 
 
 class FusedChunkSwap:

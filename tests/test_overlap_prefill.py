@@ -84,7 +84,7 @@ def test_a_prefill_overlapped_with_decoding_gives_each_request_its_bs1_tokens(me
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
-def test_a_composition_of_a_warm_shape_is_captured_at_its_first_step_and_changes_nothing():
+def test_a_composition_of_a_warm_bucket_replays_at_its_first_step_and_changes_nothing():
     bb = tiny_voxtral()
     bb.model.to(torch.device("cuda"), torch.float32)
     bb.eos_token_ids = [-1]
@@ -102,7 +102,10 @@ def test_a_composition_of_a_warm_shape_is_captured_at_its_first_step_and_changes
     starts = [j for j in range(len(stats.batch_sizes)) if j == 0 or stats.step_build_ms[j] > 0]  # new compositions
     firsts = [(stats.batch_sizes[j], stats.step_kinds[j]) for j in starts]
     assert firsts[0] == (1, "eager")  # nothing warm yet
-    assert (2, "eager") in firsts and (2, "capture") in firsts  # the first pair warmed up, a later pair did not
+    assert (2, "eager") in firsts  # the first pair warms its bucket up
+    captured = [b for b, kind in zip(stats.batch_sizes, stats.step_kinds) if kind == "capture"]
+    assert sorted(captured) == sorted(set(captured))  # one capture a bucket, whatever joins and leaves
+    assert firsts.count((2, "replay")) >= 1  # a later pair replays its bucket's graph at its first step
 
 
 @pytest.mark.parametrize("store_kind", ["reference", "packed"])

@@ -430,6 +430,41 @@ def test_fused_triton_step_matches_the_torch_step(case):
     _same_run(runs["triton"], runs["torch"], 1e-3 if HAS_CUDA else 1e-4)  # fp32 products run as tf32 on CUDA
 
 
+@pytest.mark.parametrize("family", ["voxtral", "qwen_omni"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@torch.no_grad()
+def test_the_fused_prefill_layer_computes_the_hf_layer(family, kernels):
+    """`engine.step.prefill_layer` (the fused weights, the step's kernels, `rope_split`) = `decoder_layer` (the
+    backbone's HF modules) layer by layer over a whole prompt: the same q, k, v handed to the attention, the same
+    hidden states; M-RoPE (Qwen) and q|k|v biases included."""
+    from wnw_exp.backbones.layer import causal_attention, decoder_layer
+    from wnw_exp.engine.step import prefill_layer
+
+    dev = _triton_env() if kernels == "triton" else torch.device("cpu")
+    bb = (tiny_voxtral if family == "voxtral" else tiny_qwen_omni)()
+    bb.model.to(dev)
+    prompt = bb.build_prompt(noise_audio(6.0))
+    hidden = bb.embed_prompt(prompt)
+    cos, sin = bb.rotary(hidden, bb.prompt_positions(prompt))
+    dims = (bb.n_q_heads, bb.n_kv_heads, bb.head_dim)
+    tol = dict(atol=2e-3, rtol=2e-3) if HAS_CUDA else dict(atol=2e-5, rtol=2e-5)  # tf32 GEMMs on CUDA
+    for li, (layer, w) in enumerate(zip(bb.layers, bb.fused_layers())):
+        seen = []
+
+        def attention(q, k, v, scale):
+            seen.append((q, k, v))
+            return causal_attention(q, k, v, scale)
+
+        ref = decoder_layer(layer, hidden, cos, sin, attention, dims)
+        got = prefill_layer(w, hidden, cos, sin, attention, dims, kernels=kernels)
+        for a, b in zip(seen[1], seen[0]):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(got, ref, **tol)
+        hidden = ref
+    assert li == bb.n_layers - 1
+
+
 BLOCKED = ("hydra", "omegaconf", "soxr", "soundfile", "espeakng", "jiwer")
 
 
@@ -503,6 +538,14 @@ def test_cuda_default_path_matches_the_eager_and_the_reference_paths(method):
     assert decode_path(backbone.device, pd).graph == (method != "oracle")
     if _agree(d, e, 6) == 12:
         assert d.trace == e.trace  # the same decisions from the graph as from eager launches
-    _agree(d, r, 2)
+    # the reference path runs the prefill in the backbone's HF modules, the default in the fused kernels: in bf16 the
+    # prefill scores round apart, and on noise audio a near-tie may place another position, after which the runs
+    # part. So the prefill's own logits are compared for every method, the decode steps where nothing is placed
+    # (`test_fused_step_matches_the_reference_step` compares the steps decision by decision on one prefill, in fp32).
+    if method == "full":
+        _agree(d, r, 2)
+    else:
+        x, y = d.logits[0], r.logits[0]
+        assert (x - y).abs().max() <= 0.05 * x.abs().max() + 0.02
     if method in ("wnw", "arkvale"):
         assert d.store_summary["mb_per_step"] > 0  # recalls ran inside the graph

@@ -20,7 +20,7 @@ import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt
 from wnw_exp.backbones.layer import causal_attention, decoder_layer
-from wnw_exp.engine.step import BatchedFusedStep, CapturedStep, FusedStep, TorchStep
+from wnw_exp.engine.step import BatchedFusedStep, CapturedStep, FusedStep, TorchStep, prefill_layer
 from wnw_exp.methods.base import Policy, PrefillScores, SampleContext, apply_placements
 
 
@@ -181,6 +181,10 @@ class Stream:
             hidden = bb.embed_prompt(prompt)
             positions, span = bb.prompt_positions(prompt), prompt.audio_span
         rope_cache: tuple | None = None
+        # the fast path's prefill runs the fused step's kernels (`engine.step.prefill_layer`); the others, the
+        # backbone's HF modules (`decoder_layer`)
+        fused = bb.fused_layers() if self.path.fused and self.path.kernels == "triton" else None
+        scored = type(policy).place is not Policy.place  # a method without a placement reads no prefill scores
         for li, layer in enumerate(bb.layers):
             with self._on_overlap():
                 hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)
@@ -191,6 +195,8 @@ class Stream:
                 def attention(q, k, v, scale, li=li, span=span):
                     out = causal_attention(q, k, v, scale)
                     store.write_prefill(li, k[0], v[0], span)
+                    if not scored:
+                        return out
                     scores = prefill_scores(q[0], k[0], span, scale)
                     if self.defer_place:  # placed once the forward pass has run (`finish_prefill`): no host read
                         self._scores.append((li, scores))
@@ -198,7 +204,10 @@ class Stream:
                         place(policy, store, li, scores)
                     return out
 
-                hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
+                if fused is not None:
+                    hidden = prefill_layer(fused[li], hidden, cos, sin, attention, (n_q, n_kv, d))
+                else:
+                    hidden = decoder_layer(layer, hidden, cos, sin, attention, (n_q, n_kv, d))
             if not overlap:
                 _sync(bb.device)
                 self.prefill_ms += (time.perf_counter() - t0) * 1e3

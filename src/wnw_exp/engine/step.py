@@ -74,6 +74,35 @@ def _after_attention(step, w, out: torch.Tensor) -> torch.Tensor:
     return F.linear(step.act, w.w_down)
 
 
+def prefill_layer(w, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention, dims: tuple[int, int, int],
+                  kernels: str = "triton") -> torch.Tensor:
+    """`backbones.layer.decoder_layer` over a whole prompt on a layer's fused weights (`Backbone.fused_layers`), in
+    the fused step's kernels: RMSNorm in one launch, one q|k|v GEMM, RoPE and the head-major split in one
+    (`rope_split`), one gate|up GEMM and SiLU*mul in one. Same arguments and rounding points as `decoder_layer`
+    (hidden (1, T, hidden_size), cos/sin (1, T, D); `attention(q, k, v, scale)`); about a third of its launches."""
+    n_q, n_kv, d = dims
+    add_rmsnorm, _, silu_mul = _ops(kernels)
+    rope = rope_split_torch if kernels == "torch" else _triton_rope_split()
+    x = hidden[0].contiguous()  # the kernels read rows at a stride of hidden_size
+    T = x.shape[0]
+    normed = add_rmsnorm(x, None, w.ln1, w.eps, torch.empty_like(x))
+    qkv = F.linear(normed, w.w_qkv, w.b_qkv)
+    q = x.new_empty(n_q, T, d)
+    k, v = x.new_empty(n_kv, T, d), x.new_empty(n_kv, T, d)
+    rope(qkv, cos[0].contiguous(), sin[0].contiguous(), q, k, v, n_q, n_kv, d)
+    out = attention(q[None], k[None], v[None], w.scale)
+    x = x + F.linear(out[0].transpose(0, 1).reshape(T, -1), w.w_o, w.b_o)
+    add_rmsnorm(x, None, w.ln2, w.eps, normed)
+    act = silu_mul(F.linear(normed, w.w_gate_up), x.new_empty(T, w.w_down.shape[1]))
+    return (x + F.linear(act, w.w_down))[None]
+
+
+def _triton_rope_split():
+    from wnw_exp.engine import triton_ops
+
+    return triton_ops.rope_split
+
+
 def _final_logits(step) -> torch.Tensor:
     """The last layer's residual add, the final RMSNorm and the LM head (both fused steps)."""
     step.add_rmsnorm(step.hidden, step._delta, step.norm_f, step.eps_f, step.normed)
@@ -328,6 +357,17 @@ def rope_append_torch(qkv, cos_table, sin_table, pos, dense_len, q_out, dense_k,
     dense_k.index_copy_(1, dense_len.view(1), y[n_q:, None])
     dense_v.index_copy_(1, dense_len.view(1), x[n_q + n_kv:, None])
     return q_out
+
+
+def rope_split_torch(qkv, cos, sin, q, k, v, n_q, n_kv, head_dim):
+    x = qkv.view(-1, n_q + 2 * n_kv, head_dim)
+    qk = x[:, : n_q + n_kv]
+    h = head_dim // 2
+    rot = torch.cat([-qk[..., h:], qk[..., :h]], dim=-1)
+    y = qk * cos[:, None] + rot * sin[:, None]  # each product and the sum round to the model dtype, as HF's
+    q.copy_(y[:, :n_q].transpose(0, 1))
+    k.copy_(y[:, n_q:].transpose(0, 1))
+    v.copy_(x[:, n_q + n_kv:].transpose(0, 1))
 
 
 def silu_mul_torch(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

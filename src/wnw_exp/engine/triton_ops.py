@@ -9,6 +9,8 @@ rounded here too), so the fused step matches the unfused one up to the last ulp 
   q written to a buffer, k and v written into the layer's dense KV cache at the device length: no host
   read, so it can be captured in a CUDA graph.
 - `silu_mul`: act(gate) * up of the gated MLP from one concatenated gate/up projection.
+- `rope_split`: the prefill's RoPE over a whole prompt, from one q|k|v projection into the attention's head-major
+  q, k and v (the fused prefill layer, `engine.step.prefill_layer`).
 The torch equivalents are in `engine/step.py` (`*_torch`), the specification these are tested against.
 Import this module only where `triton` is installed; on a CPU set TRITON_INTERPRET=1 before importing.
 """
@@ -88,6 +90,34 @@ def rope_append(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Ten
     _rope_append_kernel[(n_q + 2 * n_kv,)](qkv, cos_table, sin_table, pos, dense_len, q_out, dense_k, dense_v,
                                            dense_k.stride(0), dense_k.stride(1), HQ=n_q, HKV=n_kv, D=head_dim)
     return q_out
+
+
+@triton.jit
+def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, HQ: tl.constexpr, HKV: tl.constexpr,
+                       D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # the prompt row
+    j = tl.program_id(1)  # its head row of the fused projection: q heads, then k heads, then v heads
+    cols = tl.arange(0, D)
+    src = qkv_ptr + (t * (HQ + 2 * HKV) + j) * D
+    x = tl.load(src + cols)
+    if j < HQ + HKV:
+        y = _rope_row(src, x, cos_ptr + t * D, sin_ptr + t * D, cols, D)
+        if j < HQ:
+            tl.store(q_ptr + (j * T + t) * D + cols, y)
+        else:
+            tl.store(k_ptr + ((j - HQ) * T + t) * D + cols, y)
+    else:
+        tl.store(v_ptr + ((j - HQ - HKV) * T + t) * D + cols, x)
+
+
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, n_q: int, n_kv: int, head_dim: int) -> None:
+    """A prompt's qkv (T, (n_q + 2 n_kv) * D) -> q (n_q, T, D) and k (n_kv, T, D) after RoPE at row t's cos/sin
+    (T, D), v (n_kv, T, D) as it is."""
+    T = qkv.shape[0]
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    _rope_split_kernel[(T, n_q + 2 * n_kv)](qkv, cos, sin, q, k, v, T, HQ=n_q, HKV=n_kv, D=head_dim)
 
 
 @triton.jit

@@ -51,8 +51,8 @@ def add_rmsnorm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.
 
 @triton.jit
 def _rope_row(head_ptr, x, cos_row, sin_row, cols, D: tl.constexpr):
-    """One head row `x` (loaded from `head_ptr`) after RoPE, in its dtype, rounded where HF's
-    `x * cos + rotate_half(x) * sin` rounds (both append kernels)."""
+    """One head row `x` (loaded from `head_ptr`; or a block of rows: pointers (BT, 1), cols (1, D)) after RoPE,
+    in its dtype, rounded where HF's `x * cos + rotate_half(x) * sin` rounds (the append and split kernels)."""
     dt = head_ptr.dtype.element_ty
     first = cols < D // 2
     xr = tl.load(head_ptr + tl.where(first, cols + D // 2, cols - D // 2))
@@ -94,30 +94,34 @@ def rope_append(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Ten
 
 @triton.jit
 def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, HQ: tl.constexpr, HKV: tl.constexpr,
-                       D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)  # the prompt row
-    j = tl.program_id(1)  # its head row of the fused projection: q heads, then k heads, then v heads
-    cols = tl.arange(0, D)
+                       D: tl.constexpr, BT: tl.constexpr):
+    j = tl.program_id(0)  # the head row of the fused projection: q heads, then k heads, then v heads
+    t = tl.program_id(1).to(tl.int64) * BT + tl.arange(0, BT)[:, None]  # a block of prompt rows, (BT, 1)
+    ok = t < T
+    t = tl.minimum(t, T - 1)  # rows past the prompt read its last row and store nothing
+    cols = tl.arange(0, D)[None, :]
     src = qkv_ptr + (t * (HQ + 2 * HKV) + j) * D
     x = tl.load(src + cols)
     if j < HQ + HKV:
         y = _rope_row(src, x, cos_ptr + t * D, sin_ptr + t * D, cols, D)
         if j < HQ:
-            tl.store(q_ptr + (j * T + t) * D + cols, y)
+            tl.store(q_ptr + (j * T + t) * D + cols, y, mask=ok)
         else:
-            tl.store(k_ptr + ((j - HQ) * T + t) * D + cols, y)
+            tl.store(k_ptr + ((j - HQ) * T + t) * D + cols, y, mask=ok)
     else:
-        tl.store(v_ptr + ((j - HQ - HKV) * T + t) * D + cols, x)
+        tl.store(v_ptr + ((j - HQ - HKV) * T + t) * D + cols, x, mask=ok)
 
 
 def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, n_q: int, n_kv: int, head_dim: int) -> None:
     """A prompt's qkv (T, (n_q + 2 n_kv) * D) -> q (n_q, T, D) and k (n_kv, T, D) after RoPE at row t's cos/sin
-    (T, D), v (n_kv, T, D) as it is."""
+    (T, D), v (n_kv, T, D) as it is; one program per head and block of 16 rows."""
     T = qkv.shape[0]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-    _rope_split_kernel[(T, n_q + 2 * n_kv)](qkv, cos, sin, q, k, v, T, HQ=n_q, HKV=n_kv, D=head_dim)
+    bt = 16
+    _rope_split_kernel[(n_q + 2 * n_kv, triton.cdiv(T, bt))](qkv, cos, sin, q, k, v, T, HQ=n_q, HKV=n_kv,
+                                                             D=head_dim, BT=bt)
 
 
 @triton.jit

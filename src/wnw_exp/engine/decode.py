@@ -184,7 +184,8 @@ class Stream:
         # the fast path's prefill runs the fused step's kernels (`engine.step.prefill_layer`); the others, the
         # backbone's HF modules (`decoder_layer`)
         fused = bb.fused_layers() if self.path.fused and self.path.kernels == "triton" else None
-        scored = type(policy).place is not Policy.place  # a method without a placement reads no prefill scores
+        # a method without a placement (its `place` is the base class's; a wrapper answers its method's) reads no scores
+        scored = getattr(policy.place, "__func__", None) is not Policy.place
         for li, layer in enumerate(bb.layers):
             with self._on_overlap():
                 hidden, positions, span = policy.prefill_transform(li, hidden, positions, span)

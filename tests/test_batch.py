@@ -749,23 +749,25 @@ def _run_config(tmp_path, *overrides):
 
 @pytest.mark.parametrize("method", ["wnw", "arkvale"])
 def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, method):
+    """`wnw-run batch_size=8` over 10 samples (streams leave and others join) = batch size 1, byte for byte: the
+    predictions, the metrics and every per-sample trace; a run cut after one sample resumes."""
     from wnw_exp.engine.runner import run
     from wnw_exp.rundir import identity_hash
 
-    cfg1 = _run_config(tmp_path, f"method={method}", "dataset.n=4")
-    cfg3 = _run_config(tmp_path, f"method={method}", "dataset.n=4", "batch_size=3")
-    assert identity_hash(cfg1) == identity_hash(cfg3)  # the same results, the same run directory
+    cfg1 = _run_config(tmp_path, f"method={method}", "dataset.n=10")
+    cfg8 = _run_config(tmp_path, f"method={method}", "dataset.n=10", "batch_size=8")
+    assert identity_hash(cfg1) == identity_hash(cfg8)  # the same results, the same run directory
     m1 = run(cfg1, tmp_path / "bs1", progress=False)
-    run({**cfg3, "dataset": {**cfg3["dataset"], "n": 1}}, tmp_path / "bs3", progress=False)  # a first sample, then resume
-    m3 = run(cfg3, tmp_path / "bs3", progress=False)
+    run({**cfg8, "dataset": {**cfg8["dataset"], "n": 1}}, tmp_path / "bs8", progress=False)  # a first sample, then resume
+    m8 = run(cfg8, tmp_path / "bs8", progress=False)
     lines1 = (tmp_path / "bs1" / "predictions.jsonl").read_text().splitlines()
-    lines3 = (tmp_path / "bs3" / "predictions.jsonl").read_text().splitlines()
-    assert len(lines3) == 4 and sorted(lines3) == sorted(lines1)  # byte for byte (lines in the order samples finish)
+    lines8 = (tmp_path / "bs8" / "predictions.jsonl").read_text().splitlines()
+    assert len(lines8) == 10 and sorted(lines8) == sorted(lines1)  # byte for byte (lines in the order samples finish)
     timing = {"ms_per_token", "prefill_ms"}  # wall clock: a batch's step is longer than one sample's
-    assert {k: v for k, v in m3.items() if k not in timing} == {k: v for k, v in m1.items() if k not in timing}
-    for i in range(4):
+    assert {k: v for k, v in m8.items() if k not in timing} == {k: v for k, v in m1.items() if k not in timing}
+    for i in range(10):
         name = f"synthetic-test-{i}.json"
-        assert (tmp_path / "bs3" / "trace" / name).read_bytes() == (tmp_path / "bs1" / "trace" / name).read_bytes()
+        assert (tmp_path / "bs8" / "trace" / name).read_bytes() == (tmp_path / "bs1" / "trace" / name).read_bytes()
 
 
 def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path):

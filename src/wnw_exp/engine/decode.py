@@ -549,25 +549,30 @@ OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows
 
 
 def prefill_scores(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float) -> PrefillScores:
-    """What every method's `place` gets for one layer: q (H_q, T, D), k (H_kv, T, D) after RoPE."""
-    return PrefillScores(_probs_to_audio(q, k, span, scale, span[1]),
-                         _probs_to_audio(q, k, span, scale, max(0, q.shape[1] - OBSERVATION_WINDOW)),
-                         k[:, span[0]:span[1]])
+    """What every method's `place` gets for one layer: q (H_q, T, D), k (H_kv, T, D) after RoPE. The rows after the
+    audio and the last `OBSERVATION_WINDOW` rows come out of one computation over their union."""
+    T = q.shape[1]
+    post, window = span[1], max(0, T - OBSERVATION_WINDOW)
+    first = min(post, window)
+    probs = _probs_to_audio(q, k, span, scale, first)
+    return PrefillScores(probs[:, post - first:], probs[:, window - first:], k[:, span[0]:span[1]])
 
 
 def _probs_to_audio(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float,
                     first_row: int) -> torch.Tensor:
     """Softmax weights (H_q, T - first_row, n_audio) from prompt rows first_row.. to the audio positions.
 
-    Each row's softmax runs over every key it can see (causal), exactly as in the prefill attention.
+    Each row's softmax runs over every key it can see (causal), exactly as in the prefill attention; in fp32, each
+    KV head's query heads in one matmul against its keys (no copy of the keys per query head).
     """
     s, e = span
-    n_q, T, _ = q.shape
-    g = n_q // k.shape[0]
-    if first_row >= T:
+    n_q, T, D = q.shape
+    n_kv = k.shape[0]
+    rows = T - first_row
+    if rows <= 0:
         return q.new_zeros(n_q, 0, e - s)
-    kk = k.repeat_interleave(g, dim=0).float()
-    scores = torch.einsum("hqd,hkd->hqk", q[:, first_row:].float(), kk) * scale  # (H_q, n_rows, T)
-    rows = torch.arange(first_row, T, device=q.device)[:, None]
-    scores = scores.masked_fill(torch.arange(T, device=q.device)[None, :] > rows, float("-inf"))
+    qg = q[:, first_row:].float().reshape(n_kv, (n_q // n_kv) * rows, D)  # query head h reads KV head h // group
+    scores = torch.matmul(qg, k.float().transpose(1, 2)).view(n_q, rows, T) * scale  # (H_q, rows, T)
+    at = torch.arange(first_row, T, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(T, device=q.device)[None, :] > at, float("-inf"))
     return torch.softmax(scores, dim=-1)[:, :, s:e]

@@ -134,6 +134,17 @@ def test_triton_step_kernels_match_torch(dtype):
     for a, b in zip(*res):
         torch.testing.assert_close(b, a, **tol)
     assert res[1][1][:, 5].abs().sum() > 0 and res[1][1][:, [4, 6]].abs().sum() == 0  # written at dlen only
+    # the prefill's RoPE and head split over a prompt of T rows: one row, a block and a part, several blocks
+    for T in (1, 21, 40):
+        qkv_t = torch.randn(T, (n_q + 2 * n_kv) * D, device=dev).to(dtype)
+        split = []
+        for impl in (fz.rope_split_torch, tr.rope_split):
+            qs, ks, vs = (torch.full((h, T, D), 7.0, device=dev, dtype=dtype) for h in (n_q, n_kv, n_kv))
+            impl(qkv_t, cos[:T].contiguous(), sin[:T].contiguous(), qs, ks, vs, n_q, n_kv, D)
+            split.append((qs, ks, vs))
+        for a, b in zip(*split):
+            torch.testing.assert_close(b, a, **tol)
+        torch.testing.assert_close(split[1][2], qkv_t.view(T, -1, D)[:, n_q + n_kv:].transpose(0, 1), atol=0, rtol=0)
     # SiLU * up
     gu = torch.randn(2 * inter, device=dev).to(dtype)
     a, b = torch.empty(inter, device=dev, dtype=dtype), torch.empty(inter, device=dev, dtype=dtype)

@@ -8,7 +8,8 @@ OUTD=${1:?usage: bash scripts/gpu/check.sh OUT_DIR}; mkdir -p "$OUTD"
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUTD/gpu.log"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_fused_decode.py tests/test_engine.py \
-  tests/test_wnw_recall_room.py tests/test_batch.py tests/test_wnw_prefill_batch.py tests/test_methods_baselines.py 2>&1 | tail -5 | tee -a "$OUTD/gpu.log"
+  tests/test_wnw_recall_room.py tests/test_batch.py tests/test_wnw_prefill_batch.py tests/test_methods_baselines.py \
+  tests/test_overlap_prefill.py 2>&1 | tail -5 | tee -a "$OUTD/gpu.log"
 "$PY" benchmarks/decode_speed.py --gpu-check --out "$OUTD/gpu_check.json" 2>&1 | grep '^targets' | tee -a "$OUTD/gpu.log"
 "$PY" benchmarks/serving.py --gpu --deadline-s 3600 --methods "" --graph-methods full,wnw,wnw_recall_off,adakv,arkvale \
   --lengths 4,10 --out "$OUTD/serving.json" > "$OUTD/serving.log" 2>&1

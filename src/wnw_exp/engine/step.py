@@ -30,7 +30,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from wnw_exp.backbones.layer import decoder_layer
+from wnw_exp.backbones.layer import decoder_layer, rotate_half
 from wnw_exp.kv.packed import BatchLayout
 from wnw_exp.methods.base import Policy
 
@@ -81,26 +81,19 @@ def prefill_layer(w, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     (`rope_split`), one gate|up GEMM and SiLU*mul in one. Same arguments and rounding points as `decoder_layer`
     (hidden (1, T, hidden_size), cos/sin (1, T, D); `attention(q, k, v, scale)`); about a third of its launches."""
     n_q, n_kv, d = dims
-    add_rmsnorm, _, silu_mul = _ops(kernels)
-    rope = rope_split_torch if kernels == "torch" else _triton_rope_split()
+    add_rmsnorm, _, silu_mul, rope_split = _ops(kernels)
     x = hidden[0].contiguous()  # the kernels read rows at a stride of hidden_size
     T = x.shape[0]
     normed = add_rmsnorm(x, None, w.ln1, w.eps, torch.empty_like(x))
     qkv = F.linear(normed, w.w_qkv, w.b_qkv)
     q = x.new_empty(n_q, T, d)
     k, v = x.new_empty(n_kv, T, d), x.new_empty(n_kv, T, d)
-    rope(qkv, cos[0].contiguous(), sin[0].contiguous(), q, k, v, n_q, n_kv, d)
+    rope_split(qkv, cos[0].contiguous(), sin[0].contiguous(), q, k, v, n_q, n_kv, d)
     out = attention(q[None], k[None], v[None], w.scale)
     x = x + F.linear(out[0].transpose(0, 1).reshape(T, -1), w.w_o, w.b_o)
     add_rmsnorm(x, None, w.ln2, w.eps, normed)
     act = silu_mul(F.linear(normed, w.w_gate_up), x.new_empty(T, w.w_down.shape[1]))
     return (x + F.linear(act, w.w_down))[None]
-
-
-def _triton_rope_split():
-    from wnw_exp.engine import triton_ops
-
-    return triton_ops.rope_split
 
 
 def _final_logits(step) -> torch.Tensor:
@@ -125,7 +118,7 @@ class FusedStep:
             raise ValueError("FusedStep runs on a store with its own dense buffers; a pooled store's is BatchedFusedStep")
         self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
         self.layers = backbone.fused_layers()
-        self.add_rmsnorm, self.rope_append, self.silu_mul = _ops(kernels)
+        self.add_rmsnorm, self.rope_append, self.silu_mul, _ = _ops(kernels)
         self.embed = backbone.embed_tokens.weight
         self.norm_f, self.eps_f = backbone.final_norm.weight, float(backbone.final_norm.variance_epsilon)
         self.lm_w, self.lm_b = backbone.lm_head.weight, backbone.lm_head.bias
@@ -205,7 +198,7 @@ class BatchedFusedStep:
         L = backbone.n_layers
         self.n_q, self.n_kv, self.d = backbone.n_q_heads, backbone.n_kv_heads, backbone.head_dim
         self.layers = backbone.fused_layers()
-        self.add_rmsnorm, _, self.silu_mul = _ops(kernels)
+        self.add_rmsnorm, _, self.silu_mul, _ = _ops(kernels)
         self.rope_append, self.attention, self.probs = _batched_ops(kernels)
         self.kernels = kernels
         self.embed = backbone.embed_tokens.weight
@@ -346,13 +339,17 @@ def add_rmsnorm_torch(hidden: torch.Tensor, delta: torch.Tensor | None, weight: 
     return out
 
 
+def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over the last dim, cos/sin broadcast; each product and the sum round to the model dtype, as HF's
+    apply_rotary_pos_emb (`backbones.layer.apply_rope`, whose head layout differs)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def rope_append_torch(qkv, cos_table, sin_table, pos, dense_len, q_out, dense_k, dense_v, n_q, n_kv, head_dim):
     x = qkv.view(n_q + 2 * n_kv, head_dim)
     qk = x[: n_q + n_kv]
     cos, sin = cos_table.index_select(0, pos.view(1)), sin_table.index_select(0, pos.view(1))  # (1, D)
-    h = head_dim // 2
-    rot = torch.cat([-qk[:, h:], qk[:, :h]], dim=-1)
-    y = qk * cos + rot * sin  # each product and the sum round to the model dtype, as HF's apply_rotary_pos_emb
+    y = _rope_torch(qk, cos, sin)
     q_out.copy_(y[:n_q])
     dense_k.index_copy_(1, dense_len.view(1), y[n_q:, None])
     dense_v.index_copy_(1, dense_len.view(1), x[n_q + n_kv:, None])
@@ -361,10 +358,7 @@ def rope_append_torch(qkv, cos_table, sin_table, pos, dense_len, q_out, dense_k,
 
 def rope_split_torch(qkv, cos, sin, q, k, v, n_q, n_kv, head_dim):
     x = qkv.view(-1, n_q + 2 * n_kv, head_dim)
-    qk = x[:, : n_q + n_kv]
-    h = head_dim // 2
-    rot = torch.cat([-qk[..., h:], qk[..., :h]], dim=-1)
-    y = qk * cos[:, None] + rot * sin[:, None]  # each product and the sum round to the model dtype, as HF's
+    y = _rope_torch(x[:, : n_q + n_kv], cos[:, None], sin[:, None])
     q.copy_(y[:, :n_q].transpose(0, 1))
     k.copy_(y[:, n_q:].transpose(0, 1))
     v.copy_(x[:, n_q + n_kv:].transpose(0, 1))
@@ -384,10 +378,7 @@ def rope_append_batched_torch(qkv, cos_table, sin_table, t, dense_len, dense_tab
     x = qkv.view(B, n_q + 2 * n_kv, head_dim)
     qk = x[:, : n_q + n_kv]
     b = torch.arange(B, device=qkv.device)
-    cos, sin = cos_table[b, t][:, None], sin_table[b, t][:, None]  # (B, 1, D)
-    h = head_dim // 2
-    rot = torch.cat([-qk[..., h:], qk[..., :h]], dim=-1)
-    y = qk * cos + rot * sin
+    y = _rope_torch(qk, cos_table[b, t][:, None], sin_table[b, t][:, None])  # cos/sin (B, 1, D)
     q_out.copy_(y[:, :n_q])
     n = dense_len.view(B, 1, 1)
     rows = (torch.gather(dense_table.long(), 2, (n // page_rows).expand(B, n_kv, 1))[..., 0]
@@ -408,10 +399,10 @@ def _batched_ops(kernels: str):
 
 
 def _ops(kernels: str):
-    """(add_rmsnorm, rope_append, silu_mul) of an implementation."""
+    """(add_rmsnorm, rope_append, silu_mul, rope_split) of an implementation."""
     if kernels == "triton":
         from wnw_exp.engine import triton_ops as t
-        return t.add_rmsnorm, t.rope_append, t.silu_mul
+        return t.add_rmsnorm, t.rope_append, t.silu_mul, t.rope_split
     if kernels == "torch":
-        return add_rmsnorm_torch, rope_append_torch, silu_mul_torch
+        return add_rmsnorm_torch, rope_append_torch, silu_mul_torch, rope_split_torch
     raise ValueError(f"unknown kernels {kernels!r}: triton or torch")

@@ -162,13 +162,15 @@ class Stream:
         self.runner = None  # its `TokenRunner` (a fused step of its own), made at its first step
 
     def prefill_layers(self):
-        """Prefill layer by layer (the backbone's modules, `backbones.layer.decoder_layer`); yields after each. Each
-        layer's K/V go to the store and the method places it (`Policy.place`). With `overlap` each layer's work is
-        launched on that CUDA stream (the caller's stream is current between layers). With `defer_place` (the
-        default with `overlap`) its `PrefillScores` are kept for `finish_prefill`, which places every layer in
-        order once the forward pass has run (the same
-        decisions: a layer's placement reads only its own scores and rows; the scores of all layers are held
-        until then, about 20 MB a layer for 3,000 audio tokens and 32 query heads)."""
+        """Prefill layer by layer; yields after each. A layer runs in the fused step's kernels on the Triton path
+        (`engine.step.prefill_layer`), else in the backbone's modules (`backbones.layer.decoder_layer`). Each
+        layer's K/V go to the store and the method places it (`Policy.place`) from its `PrefillScores`; for a
+        method without a placement (its `place` is `Policy.place`, asked through a wrapper too) none are computed.
+        With `overlap` each layer's work is launched on that CUDA stream (the caller's stream is current between
+        layers). With `defer_place` (the default with `overlap`) the scores are kept for `finish_prefill`, which
+        places every layer in order once the forward pass has run (the same decisions: a layer's placement reads
+        only its own scores and rows; the scores of all layers are held until then, about 13 MB a layer for 3,000
+        audio tokens and 32 query heads)."""
         bb, prompt, policy, store = self.backbone, self.prompt, self.policy, self.store
         n_q, n_kv, d = bb.n_q_heads, bb.n_kv_heads, bb.head_dim
         overlap = self.overlap is not None
@@ -181,10 +183,7 @@ class Stream:
             hidden = bb.embed_prompt(prompt)
             positions, span = bb.prompt_positions(prompt), prompt.audio_span
         rope_cache: tuple | None = None
-        # the fast path's prefill runs the fused step's kernels (`engine.step.prefill_layer`); the others, the
-        # backbone's HF modules (`decoder_layer`)
         fused = bb.fused_layers() if self.path.fused and self.path.kernels == "triton" else None
-        # a method without a placement (its `place` is the base class's; a wrapper answers its method's) reads no scores
         scored = getattr(policy.place, "__func__", None) is not Policy.place
         for li, layer in enumerate(bb.layers):
             with self._on_overlap():

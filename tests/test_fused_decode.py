@@ -249,6 +249,13 @@ def test_triton_queueing_inside_a_capture_marks_what_the_torch_queueing_marks(mo
     a.release(rows, pos, select=rel_m[seg])
     assert torch.equal(a.queued_recall, b.queued_recall) and torch.equal(a.queued_release, b.queued_release)
     assert a.queued_recall.any() and a.queued_release.any()
+    # outside a capture the Triton store takes the same launch (no host read: a decision at prefill or in an
+    # eager step does not wait for the device), marking the same
+    monkeypatch.setattr(packed, "_capturing", lambda: False)
+    b.queued_recall.zero_()
+    b.queued_release.zero_()
+    b.queue_segments(rows, pos, seg, rec_m, rel_m)
+    assert torch.equal(a.queued_recall, b.queued_recall) and torch.equal(a.queued_release, b.queued_release)
 
 
 L_F, H_F, D_F, PRE_F = 2, 3, 16, 2  # the flush tests' stores: layers, KV heads, head dim, text rows before the audio

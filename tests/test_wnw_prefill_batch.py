@@ -247,6 +247,9 @@ def test_deferred_checks_raise_at_compact_and_change_nothing_when_clean():
     new.compact()
     old.compact()
     assert np.array_equal(new.caps, old.caps) and torch.equal(new.audio_k, old.audio_k)
+    # compact's one host read: the resident counts (caps without headroom) and the positions held anywhere
+    assert np.array_equal(new.caps, new.n_resident.numpy())
+    assert new._union == int(((new.slot_of >= 0) | new.on_host).sum()) > 0
     for gpu, cpu, message in [(torch.ones(3, 30, dtype=torch.bool), None, "a position to keep"),
                               (torch.zeros(3, 30, dtype=torch.bool), torch.ones(3, 30, dtype=torch.bool),
                                "a position to offload")]:

@@ -256,11 +256,14 @@ class Stream:
         self.store.flush()  # decisions made at prefill are in force at decode step 0
         bb = self.backbone
         self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
-        self.next_token = int(torch.argmax(self.logits))
+        token = torch.argmax(self.logits)
         del self._last_hidden
+        if bb.device.type == "cuda":  # the first token read with the stream's one wait below, not a wait of its own
+            token = torch.empty((), dtype=token.dtype, pin_memory=True).copy_(token, non_blocking=True)
         self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
         if bb.device.type == "cuda":  # this stream's work (not the decode steps running beside an overlapped one)
             torch.cuda.current_stream(bb.device).synchronize()
+        self.next_token = int(token)
         self.prefill_ms += (time.perf_counter() - t0) * 1e3
 
     def prefill(self) -> None:

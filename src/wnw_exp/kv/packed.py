@@ -62,6 +62,10 @@ def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torc
     return t.to(device)
 
 
+# (device, dtype) -> (whether the device reads pinned host memory, why not): `PackedAudioKVStore._probe_zero_copy`
+_ZERO_COPY: dict = {}
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -282,7 +286,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self._pending_checks = torch.zeros(3, dtype=torch.bool, device=self.device)
 
     @staticmethod
-    def _raise_bad(bad: torch.Tensor) -> None:
+    def _raise_bad(bad) -> None:
         bad_keep, bad_host, bad_row = bad.tolist()
         if bad_keep:
             raise ValueError("set_tiers: a position to keep is not GPU-resident")
@@ -297,14 +301,21 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         tidal head's room by what its recalls can hold at once). A recall past a head's room raises.
         `reserve_blocks` (pool only): blocks that must stay free besides what the placement takes (admission by
         expected growth: this stream's and the running streams' expected dense pages), else `PoolFull`."""
-        if self._pending_checks is not None:
-            pending, self._pending_checks = self._pending_checks, None
-            self._raise_bad(pending)
         headroom = np.asarray(headroom, np.int64)
         if headroom.ndim and headroom.shape != self.caps.shape:
             raise ValueError(f"compact: headroom has shape {headroom.shape}, expected () or {self.caps.shape}")
-        n_res = self.n_resident.cpu().numpy()
-        recallable = self.on_host.any(dim=1).cpu().numpy()  # heads that never recall (anchors, fixed) need no room
+        # one host read (each would wait for the device): the deferred checks, each row's resident count, which rows
+        # hold a host tier (heads that never recall, anchors and fixed ones, need no room) and the union's size
+        pending, self._pending_checks = self._pending_checks, None
+        parts = [self.n_resident.long(), self.on_host.any(dim=1).long(),
+                 (self.slot_of >= 0).logical_or(self.on_host).sum().view(1)]
+        if pending is not None:
+            parts.append(pending.long())
+        host = torch.cat(parts).cpu().numpy()
+        if pending is not None:
+            self._raise_bad(host[-3:].astype(bool))
+        m = self.n_rows
+        n_res, recallable, union = host[:m], host[m:2 * m].astype(bool), int(host[2 * m])
         new_caps = np.minimum(self.n_audio, n_res + np.where(recallable, headroom, 0))
         if self.pool is not None:
             self._into_pool(new_caps, reserve_blocks)
@@ -317,9 +328,9 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             self.caps = new_caps
             self._set_layout()
         self.audio_len.view(-1).copy_(to_device(n_res, self.device))
-        self._union = int((self.slot_of >= 0).logical_or(self.on_host).sum())
+        self._union = union  # (compaction moves no position between tiers)
         self._blocks = None
-        self._flush_blocks()
+        self._flush_blocks(recallable)
         if self.graph_safe and recallable.any():  # (nothing reads the host mirror otherwise)
             self._probe_zero_copy()
 
@@ -426,16 +437,22 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             self.host_k = self.host_v = None
 
     def _probe_zero_copy(self) -> None:
-        """Read the pinned host mirror from the GPU once, before any graph needs it; where the GPU cannot, fall back
-        to the PyTorch flush (recalls staged through the host) and the engine to steps without a graph."""
+        """Read the pinned host mirror from the GPU once per device and process, before any graph needs it (a
+        property of the device and the host, not of one store: the other stores reuse the answer, no host read);
+        where the GPU cannot, fall back to the PyTorch flush (recalls staged through the host) and the engine to
+        steps without a graph."""
         from wnw_exp.kv.triton_moves import read_host
 
-        got = torch.zeros(1, device=self.device, dtype=self.dtype)
-        try:
-            read_host(self.host_k.view(-1), got)
-            ok, why = bool(got.cpu()[0] == self.host_k.view(-1)[0]), "the value read differs"
-        except Exception as e:  # noqa: BLE001 - any failure means: do not rely on it
-            ok, why = False, f"{type(e).__name__}: {e}"
+        key = (str(self.device), self.dtype)
+        ok, why = _ZERO_COPY.get(key, (None, ""))
+        if ok is None:
+            got = torch.zeros(1, device=self.device, dtype=self.dtype)
+            try:
+                read_host(self.host_k.view(-1), got)
+                ok, why = bool(got.cpu()[0] == self.host_k.view(-1)[0]), "the value read differs"
+            except Exception as e:  # noqa: BLE001 - any failure means: do not rely on it
+                ok, why = False, f"{type(e).__name__}: {e}"
+            _ZERO_COPY[key] = ok, why
         if not ok:
             warnings.warn(f"packed store: the GPU cannot read the pinned host mirror ({why}); recalls are staged "
                           "through the host, and decode steps run without a CUDA graph", stacklevel=2)
@@ -478,9 +495,10 @@ class PackedAudioKVStore(StepAccounting, KVStore):
     def queue_segments(self, rows: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
                        recall: torch.Tensor, release: torch.Tensor) -> None:
         """`recall(rows, positions, select=recall[segments])` then `release(rows, positions,
-        select=release[segments])` (distinct pairs; recall/release (n_seg,) bool masks): inside a capture with
-        Triton moves in one launch, without the two gathered masks."""
-        if _capturing() and self.moves == "triton":
+        select=release[segments])` (distinct pairs; recall/release (n_seg,) bool masks): with Triton moves in one
+        launch, without the two gathered masks, captured or not (no host read: what has no host copy is not queued,
+        and a recall past a head's room shows at the flush, raised by `check`, as in a graph's replay)."""
+        if self.moves == "triton":
             from wnw_exp.kv.triton_moves import queue_segments
 
             queue_segments(rows, positions, segments, recall, release, self.slot_of, self.on_host,
@@ -516,12 +534,14 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             return
         KVStore.queue_pages(self, layer, page_of, codes)
 
-    def _flush_blocks(self) -> dict:
+    def _flush_blocks(self, movable: np.ndarray | None = None) -> dict:
         """Per flush scope (None: every layer; a layer), the rows that can move — those with a host copy, the only
         ones a recall or release may touch — and their slots, as device index tensors; None where no row can move
-        (Full, AdaKV: a flush is then free)."""
+        (Full, AdaKV: a flush is then free). `movable`: those rows, (L * H_kv,) bool, where the caller has read
+        them already (else one host read)."""
         if self._blocks is None:
-            movable = self.on_host.any(dim=1).cpu().numpy()
+            if movable is None:
+                movable = self.on_host.any(dim=1).cpu().numpy()
             H = self.n_kv_heads
             self._blocks = {}
             for key, (r0, r1) in [(None, (0, self.n_rows))] + [(li, (li * H, (li + 1) * H)) for li in range(self.n_layers)]:

@@ -566,9 +566,8 @@ class WnW(Policy):
         first chunk swap, an eager one); with `window` the fixed heads' of `fixed_window`."""
         if (self._window_pairs if window else self._pairs) is None:
             rows, counts, pos = self._host_tier(window)
-            dev = self.ctx.device
-            pos = torch.from_numpy(pos).to(dev)
-            pairs = torch.from_numpy(np.repeat(rows, counts)).to(dev), pos, pos // self.n_s
+            pos = self._to_device(pos)  # (from pinned memory: no wait for the device)
+            pairs = self._to_device(np.repeat(rows, counts)), pos, pos // self.n_s
             if window:
                 self._window_pairs = pairs
             else:

@@ -112,11 +112,15 @@ class Stream:
 
     def __init__(self, backbone: Backbone, prompt: Prompt, policy: Policy, *, retention: float, max_new_tokens: int,
                  path: DecodePath, keep_logits: bool = False, pool=None, key=None,
-                 expected_new_tokens: int | None = None, overlap=None, defer_place: bool | None = None):
+                 expected_new_tokens: int | None = None, overlap=None, defer_place: bool | None = None,
+                 place_stream=None):
         self.backbone, self.prompt, self.policy, self.path, self.key = backbone, prompt, policy, path, key
         # `overlap`: a CUDA stream for this stream's prefill and placement (None: the current stream, each layer
         # timed by a device sync); the scheduler then polls `prefill_ready` instead of waiting
         self.overlap = overlap
+        # `place_stream`: with `overlap`, a CUDA stream of high priority for `finish_prefill` (None: `overlap`): its
+        # few small launches and the host's waits for them do not queue behind the decode steps' kernels
+        self.place_stream = place_stream if overlap is not None else None
         # place every layer after the forward pass (`finish_prefill`) rather than layer by layer (None: with overlap)
         self.defer_place = overlap is not None if defer_place is None else bool(defer_place)
         self._done_event = None
@@ -231,13 +235,17 @@ class Stream:
             self._done_event.synchronize()
 
     def finish_prefill(self, reserve_blocks: int = 0) -> None:
-        """With `defer_place`, the method's placement of every layer (in layer order; once); the store's compaction (frees
-        the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept free, changing nothing: it can be
-        called again), the decisions in force at decode step 0, the first token's logits."""
-        with self._on_overlap():
+        """With `defer_place`, the method's placement of every layer (in layer order; once); the store's compaction
+        (frees the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept free, changing nothing: it can
+        be called again), the decisions in force at decode step 0, the first token's logits. On `place_stream` where
+        set, else on `overlap`."""
+        stream = self.place_stream if self.place_stream is not None else self.overlap
+        if self.place_stream is not None:  # (the forward pass on `overlap` has run: `prefill_ready`)
+            self.place_stream.wait_stream(self.overlap)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             self._finish_prefill(reserve_blocks)
-        if self.overlap is not None:  # the decode steps (current stream) read what this stream wrote
-            torch.cuda.current_stream(self.backbone.device).wait_stream(self.overlap)
+        if stream is not None:  # the decode steps (current stream) read what this stream wrote
+            torch.cuda.current_stream(self.backbone.device).wait_stream(stream)
 
     def _finish_prefill(self, reserve_blocks: int) -> None:
         if self._done_event is not None:  # the forward pass's device time (it shared the GPU with decode steps)

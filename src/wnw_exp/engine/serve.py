@@ -163,6 +163,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     if overlap_prefill and dev.type != "cuda":
         raise ValueError("overlap_prefill runs a prefill on its own CUDA stream: it needs a CUDA device")
     overlap = torch.cuda.Stream(dev) if dev.type == "cuda" and overlap_prefill is not False else None
+    # the placements of overlapped prefills at the device's highest priority (`Stream.place_stream`)
+    place_stream = torch.cuda.Stream(dev, priority=-100) if overlap is not None else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
     warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
     laps = _Laps(stats.wall_s)
@@ -223,7 +225,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
                                 path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
                                 key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens),
-                                overlap=overlap if active else None)
+                                overlap=overlap if active else None, place_stream=place_stream)
                     st.request = req
                     admitting = (st, st.prefill_layers())
                     laps.lap("setup")

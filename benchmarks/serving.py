@@ -186,8 +186,9 @@ def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: fl
     """One request's prefill as admission runs it (`Stream.prefill_layers` + `finish_prefill` into a pool), median of
     `reps` after a warm one, against its compute floor: the decoder's matmul FLOPs (2 x weights x tokens, and the
     causal attention's 2 x T^2 x H_q x D per layer) at the GEMM rate measured in the same call; and the `top`
-    device kernels of one prefill (torch.profiler); `finish_host`: the `top` host operations of its `finish_prefill`
-    (the placement) by self time, CUDA runtime calls such as a stream synchronisation among them."""
+    device kernels of one prefill (torch.profiler); `layers_host` and `finish_host`: the `top` host operations of its
+    layers' launches and of its `finish_prefill` (the placement) by self time, CUDA runtime calls such as a stream
+    synchronisation or a pinned allocation among them."""
     from torch.profiler import ProfilerActivity, profile
 
     from wnw_exp.engine.decode import Stream, decode_path
@@ -199,15 +200,16 @@ def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: fl
     pool = KVPool.of_bytes(2e9 if bb.device.type == "cuda" else 1e8, bb.head_dim, bb.dtype, bb.device)
     cuda = bb.device.type == "cuda"
 
-    def once(finish_prof=None) -> tuple[float, float]:
+    def once(layers_prof=None, finish_prof=None) -> tuple[float, float]:
         policy = template.fork()
         st = Stream(bb, prompt, policy, retention=r, max_new_tokens=8, path=decode_path(bb.device, policy, **path),
                     pool=pool, expected_new_tokens=8)
         ds._sync()
         t0 = time.perf_counter()
-        for _ in st.prefill_layers():
-            pass
-        ds._sync()
+        with layers_prof if layers_prof is not None else nullcontext():
+            for _ in st.prefill_layers():
+                pass
+            ds._sync()
         t1 = time.perf_counter()
         with finish_prof if finish_prof is not None else nullcontext():
             st.finish_prefill()
@@ -220,8 +222,9 @@ def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: fl
     runs = [once() for _ in range(reps)]
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         once()
-    finish = profile(activities=[ProfilerActivity.CPU])  # the placement's host time alone: ops, syncs, copies
-    once(finish)
+    # the host's time alone, the layers' launches and the placement's: ops, CUDA runtime calls (syncs, copies)
+    layers, finish = profile(activities=[ProfilerActivity.CPU]), profile(activities=[ProfilerActivity.CPU])
+    once(layers, finish)
     T, L = prompt.input_ids.shape[1], bb.n_layers
     linear = sum(p.numel() for layer in bb.layers for p in layer.parameters() if p.dim() == 2)
     flops = 2 * linear * T + L * 2 * T * T * bb.n_q_heads * bb.head_dim  # causal: half of 4 T^2 H D
@@ -231,6 +234,7 @@ def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: fl
                 prefill_ms=layers_ms + finish_ms, layers_ms=layers_ms, finish_ms=finish_ms,
                 floor_ms=flops / (rate * 1e12) * 1e3 if rate else None, gemm_tflops=rate, tflop=flops / 1e12,
                 **ds.per_step(ds.kernel_times(prof, cuda), 1, top),
+                layers_host=ds.per_step(ds.kernel_times(layers, False), 1, top),
                 finish_host=ds.per_step(ds.kernel_times(finish, False), 1, top))
 
 

@@ -145,6 +145,9 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self.host_row = np.full(R, -1, np.int64)  # each row's mirror row (-1: none)
         self.host_row[mirrored] = np.arange(len(mirrored))
         self._host_row = to_device(self.host_row, dev)
+        # mirror row m's KV head (mirror rows follow the row order): `write_prefill` gathers a layer's mirrored heads
+        # with a slice of it (no copy to the device a layer)
+        self._mirror_head = to_device(mirrored % n_kv_heads, dev)
         # 2 x L x H_kv x N x D values (368 MB of pinned memory a stream for 4 min of audio on Voxtral-Mini-3B), or
         # only the mirrored rows': only for a method with a CPU tier; in a pool, out of its host arena
         # (`KVPool.host_buffer`)
@@ -213,7 +216,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         heads = np.flatnonzero(self.host_row[layer * H:(layer + 1) * H] >= 0)  # the layer's mirrored heads
         if len(heads):  # their mirror rows are consecutive (rows in order)
             m0 = int(self.host_row[layer * H + heads[0]])
-            pick = slice(None) if len(heads) == H else to_device(heads, k.device)
+            pick = slice(None) if len(heads) == H else self._mirror_head[m0:m0 + len(heads)]
             self.host_k[m0:m0 + len(heads)].copy_(k[pick, s:e], non_blocking=True)
             self.host_v[m0:m0 + len(heads)].copy_(v[pick, s:e], non_blocking=True)
 

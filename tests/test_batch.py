@@ -641,7 +641,7 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
     def counted(stores, held=None, launch=True):
         packed_flush(stores, held, launch)
         if launch:  # (launch=False builds a composition's tables before its capture)
-            flushes.append((len(stores), sum(len(s._flush_blocks()[None]["rows"]) for s in stores),
+            flushes.append((len(stores), sum(len(s._flush_blocks()[None]["host_rows"]) for s in stores),
                             held["tables"].n_store_rows))
 
     packed_flush = packed.flush_stores

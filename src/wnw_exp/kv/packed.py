@@ -539,9 +539,10 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     def _flush_blocks(self, movable: np.ndarray | None = None) -> dict:
         """Per flush scope (None: every layer; a layer), the rows that can move — those with a host copy, the only
-        ones a recall or release may touch — and their slots, as device index tensors; None where no row can move
-        (Full, AdaKV: a flush is then free). `movable`: those rows, (L * H_kv,) bool, where the caller has read
-        them already (else one host read)."""
+        ones a recall or release may touch — (`host_rows`) and, for the PyTorch flush, their slots' index arrays
+        (on the device at its first use, `_torch_block`); None where no row can move (Full, AdaKV: a flush is then
+        free). `movable`: those rows, (L * H_kv,) bool, where the caller has read them already (else one host
+        read)."""
         if self._blocks is None:
             if movable is None:
                 movable = self.on_host.any(dim=1).cpu().numpy()
@@ -554,11 +555,22 @@ class PackedAudioKVStore(StepAccounting, KVStore):
                     continue
                 caps = self.caps[rows]
                 slots = np.concatenate([np.arange(self.base[r], self.base[r] + c) for r, c in zip(rows, caps)])
-                t = lambda x: torch.as_tensor(x, device=self.device)  # noqa: E731
-                self._blocks[key] = dict(rows=t(rows), slots=t(slots), row=t(np.repeat(np.arange(len(rows)), caps)),
-                                         local=t(np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps)),
-                                         start=t(np.cumsum(caps) - caps), host_rows=rows)
+                host = dict(rows=rows, slots=slots, row=np.repeat(np.arange(len(rows)), caps),
+                            local=np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps),
+                            start=np.cumsum(caps) - caps)
+                self._blocks[key] = dict(host_rows=rows, host=host)
         return self._blocks
+
+    def _torch_block(self, b: dict) -> dict:
+        """A flush scope's index arrays on the device (rows, slots, row, local, start), made at the PyTorch flush's
+        first use of the scope in one copy from pinned memory (the Triton flush never needs them)."""
+        if "rows" not in b:
+            h = b["host"]
+            flat = to_device(np.concatenate([np.asarray(a, np.int64) for a in h.values()]), self.device)
+            at = 0
+            for k, a in h.items():
+                b[k], at = flat[at:at + len(a)], at + len(a)
+        return b
 
     def _flush_tables(self, layer: int | None):
         """The Triton flush of one scope of this store (`FlushTables` of one store), made at its first use."""
@@ -579,6 +591,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             self._flush_tables(layer)()
             return
         N, dev = self.n_audio, self.device
+        b = self._torch_block(b)
         rows, slots, row, local = b["rows"], b["slots"], b["row"], b["local"]
         n = len(rows)
         rec_q, rel_q = self.queued_recall[rows], self.queued_release[rows]

@@ -452,13 +452,14 @@ class WnW(Policy):
         """Tidal head (layer, KV head) -> its host-tier positions, a sorted CPU long tensor, in placement order. The
         masks of the layers placed since the last read are read from the device here, in one copy."""
         if self._unread:
-            masks = torch.stack([keep for _, _, keep in self._unread]).cpu()  # (layers, H_kv, n_audio)
+            masks = torch.stack([keep for _, _, keep in self._unread]).cpu().numpy()  # (layers, H_kv, n_audio)
             H, n = masks.shape[1:]
-            at = torch.tensor([i * H + k for i, (_, heads, _) in enumerate(self._unread) for k in heads])
-            host = ~masks.view(-1, n)[at]  # the tidal heads' host tiers, in placement order
-            pos = host.nonzero(as_tuple=True)[1].split(host.sum(dim=1).tolist())
-            for head, p in zip(((layer, k) for layer, heads, _ in self._unread for k in heads), pos):
-                self._offloaded[head] = p
+            at = np.array([i * H + k for i, (_, heads, _) in enumerate(self._unread) for k in heads], np.int64)
+            which, pos = np.nonzero(~masks.reshape(-1, n)[at])  # the tidal heads' host tiers, in placement order
+            ends = np.searchsorted(which, np.arange(1, len(at) + 1))
+            for head, p in zip(((layer, k) for layer, heads, _ in self._unread for k in heads),
+                               np.split(pos, ends[:-1])):
+                self._offloaded[head] = torch.from_numpy(p)
             self._unread = []
         return self._offloaded
 

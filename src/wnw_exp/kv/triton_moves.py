@@ -77,10 +77,12 @@ class AddressRows:
         """Rows `rows` (lists of nf ints) from the first, zeros after (outside a graph capture)."""
         if len(rows) > self.capacity:
             raise ValueError(f"{len(rows)} rows for an address table of {self.capacity}")
+        from wnw_exp.kv.packed import upload
+
         host = torch.zeros(self.capacity, self.nf, dtype=torch.int64)
         if rows:
             host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
-        self.ptrs.copy_(host)
+        upload(self.ptrs, host)
         self._keep = list(keep)
         self.n = self.capacity if self.fixed else len(rows)
 
@@ -254,10 +256,12 @@ class FlushTables:
         self.n_store_rows = len(row_r)  # the stores' rows it flushes
         self.n_rows = len(row_r) + pad  # (with a capacity, the fixed grid: rows past the stores' are skipped)
         if self.n_rows:
-            self.row_st[: self.n_rows].copy_(as_t(row_st + [-1] * pad, torch.int32))
-            self.row_r[: self.n_rows].copy_(as_t(row_r + [0] * pad, torch.int32))
-            self.row_m[: self.n_rows].copy_(as_t(row_m + [0] * pad, torch.int32))
-            self.scr_off[: self.n_rows].copy_(as_t(scr_off + [0] * pad, torch.int64))
+            from wnw_exp.kv.packed import upload
+
+            upload(self.row_st[: self.n_rows], as_t(row_st + [-1] * pad, torch.int32))
+            upload(self.row_r[: self.n_rows], as_t(row_r + [0] * pad, torch.int32))
+            upload(self.row_m[: self.n_rows], as_t(row_m + [0] * pad, torch.int32))
+            upload(self.scr_off[: self.n_rows], as_t(scr_off + [0] * pad, torch.int64))
         return True
 
     def __call__(self) -> None:

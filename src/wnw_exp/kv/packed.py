@@ -66,14 +66,6 @@ def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torc
 _ZERO_COPY: dict = {}
 
 
-def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) from a host tensor with no host wait: on CUDA from pinned memory, asynchronously (`to_device`)."""
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
-
-
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

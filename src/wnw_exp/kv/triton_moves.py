@@ -58,6 +58,15 @@ def table_field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _N
     return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
 
 
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) from a host tensor with no host wait: on CUDA from pinned memory, asynchronously (a copy from
+    pageable memory waits for the stream's queued work; `kv.packed.to_device` likewise)."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 class AddressRows:
     """A multi-stream launch's address table: rows of `nf` int64 fields (tensor addresses and sizes, one row per
     stream) in one device tensor made once and rewritten in place (`write`); rows past the streams' are zero (the
@@ -77,8 +86,6 @@ class AddressRows:
         """Rows `rows` (lists of nf ints) from the first, zeros after (outside a graph capture)."""
         if len(rows) > self.capacity:
             raise ValueError(f"{len(rows)} rows for an address table of {self.capacity}")
-        from wnw_exp.kv.packed import upload
-
         host = torch.zeros(self.capacity, self.nf, dtype=torch.int64)
         if rows:
             host[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
@@ -256,8 +263,6 @@ class FlushTables:
         self.n_store_rows = len(row_r)  # the stores' rows it flushes
         self.n_rows = len(row_r) + pad  # (with a capacity, the fixed grid: rows past the stores' are skipped)
         if self.n_rows:
-            from wnw_exp.kv.packed import upload
-
             upload(self.row_st[: self.n_rows], as_t(row_st + [-1] * pad, torch.int32))
             upload(self.row_r[: self.n_rows], as_t(row_r + [0] * pad, torch.int32))
             upload(self.row_m[: self.n_rows], as_t(row_m + [0] * pad, torch.int32))

@@ -747,12 +747,34 @@ def _run_config(tmp_path, *overrides):
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["default-path", "packed-pool"])
 @pytest.mark.parametrize("method", ["wnw", "arkvale"])
-def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, method):
+def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, monkeypatch, method, pooled):
     """`wnw-run batch_size=8` over 10 samples (streams leave and others join) = batch size 1, byte for byte: the
-    predictions, the metrics and every per-sample trace; a run cut after one sample resumes."""
+    predictions, the metrics and every per-sample trace; a run cut after one sample resumes. On the device's default
+    path and (`pooled`, on the CPU) on the GPU's route with PyTorch kernels: batch size 1 on the packed store and
+    the fused step, batch size 8 on a KV pool stepped by one batched step."""
+    from wnw_exp.engine import runner, serve
     from wnw_exp.engine.runner import run
+    from wnw_exp.kv.pool import KVPool
     from wnw_exp.rundir import identity_hash
+
+    if pooled:
+        if HAS_CUDA:
+            pytest.skip("the GPU's route runs in the default-path case on CUDA")
+        monkeypatch.setitem(runner.ENGINE_PATHS, "auto", dict(store="packed", fused=True, kernels="torch"))
+        monkeypatch.setattr(serve, "default_pool", lambda bb, *a, **k: KVPool(2_000_000, bb.head_dim, bb.dtype, bb.device))
+        from wnw_exp.engine import decode
+
+        made = []  # the streams each batched step was made for
+
+        class Counted(decode.BatchedFusedStep):
+            def __init__(self, backbone, streams, *a, **k):
+                streams = list(streams)
+                made.append(len(streams))
+                super().__init__(backbone, streams, *a, **k)
+
+        monkeypatch.setattr(decode, "BatchedFusedStep", Counted)
 
     cfg1 = _run_config(tmp_path, f"method={method}", "dataset.n=10")
     cfg8 = _run_config(tmp_path, f"method={method}", "dataset.n=10", "batch_size=8")
@@ -768,6 +790,8 @@ def test_wnw_run_batch_size_gives_the_bs1_predictions_and_resumes(tmp_path, meth
     for i in range(10):
         name = f"synthetic-test-{i}.json"
         assert (tmp_path / "bs8" / "trace" / name).read_bytes() == (tmp_path / "bs1" / "trace" / name).read_bytes()
+    if pooled:  # batch size 8 stepped its streams together, in one batched step on the pool
+        assert made and max(made) > 1
 
 
 def test_wnw_run_refuses_a_bad_batch_size_in_one_line(tmp_path):

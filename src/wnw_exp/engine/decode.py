@@ -173,8 +173,9 @@ class Stream:
         With `overlap` each layer's work is launched on that CUDA stream (the caller's stream is current between
         layers). With `defer_place` (the default with `overlap`) the scores are kept for `finish_prefill`, which
         places every layer in order once the forward pass has run (the same decisions: a layer's placement reads
-        only its own scores and rows; the scores of all layers are held until then, about 13 MB a layer for 3,000
-        audio tokens and 32 query heads)."""
+        only its own scores and rows; the scores of all layers are held until then: a layer's are fp32 weights of
+        H_q heads x the last `OBSERVATION_WINDOW` prompt rows, or the rows after the audio if more, x every prompt
+        key, whose audio columns the scores view)."""
         bb, prompt, policy, store = self.backbone, self.prompt, self.policy, self.store
         n_q, n_kv, d = bb.n_q_heads, bb.n_kv_heads, bb.head_dim
         overlap = self.overlap is not None

@@ -22,6 +22,23 @@ import numpy as np
 import torch
 
 
+def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array (or list) on `device` with no host wait: on CUDA copied from pinned memory, asynchronously (a
+    plain copy from pageable memory waits for the stream's queued work: a decode step in flight, a prefill)."""
+    t = torch.as_tensor(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x, dtype=dtype)
+    if device.type == "cuda" and t.numel():
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` from a host tensor with no host wait, as `to_device` (a launch table rewritten in place)."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
 @dataclass
 class StepRecord:
     n_gpu: int  # audio KV tokens on the device, all layers and heads

@@ -45,21 +45,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord
+from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, to_device
 from wnw_exp.kv.pool import KVPool, PoolFull
 
 
 def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
-def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host array (or list) on `device` with no host wait: on CUDA copied from pinned memory, asynchronously (a
-    plain copy from pageable memory waits for the stream's queued work: a decode step in flight, a prefill)."""
-    t = torch.as_tensor(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x, dtype=dtype)
-    if device.type == "cuda" and t.numel():
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 # (device, dtype) -> (whether the device reads pinned host memory, why not): `PackedAudioKVStore._probe_zero_copy`

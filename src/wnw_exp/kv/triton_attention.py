@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from wnw_exp.kv.base import upload
+
 BLOCK_N = 64
 
 
@@ -215,8 +217,6 @@ class ObserverSum:
         for o, (b, acc, slot_of, h) in enumerate(entries):
             heads[o, : len(h)] = torch.tensor(h, dtype=torch.int32)
             cols[:, o] = torch.tensor([slot_of.data_ptr(), acc.data_ptr(), acc.shape[0], b, len(h)])
-        from wnw_exp.kv.triton_moves import upload
-
         for dst, src in zip((self.slot_tbl, self.acc_tbl, self.n_tbl, self.b_tbl, self.nobs), cols):
             upload(dst, src)
         upload(self.heads, heads)

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from wnw_exp.kv.base import upload
+
 SCAN = 1024  # positions or slots per iteration of a row's scans
 # The copy's fixed grid (at most COPY_PROGRAMS programs, each walking the pair list's tiles of COPY pairs a
 # grid-stride apart). Measured on the H200 (2026-12-02, docs/gpu.md): ArkVale at bs 1 (19.7 MB of recalls a step)
@@ -56,15 +58,6 @@ def table_field(tbl, s, j: tl.constexpr, ty: tl.constexpr, NF: tl.constexpr = _N
     of NF fields (`FlushTables.ptrs` by default; `SegmentQueueTables` and `triton_swap.ChunkSwapTables` pass their
     own NF): the address-table lookup of every multi-stream launch."""
     return tl.load(tbl + s * NF + j).to(tl.pointer_type(ty))
-
-
-def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) from a host tensor with no host wait: on CUDA from pinned memory, asynchronously (a copy from
-    pageable memory waits for the stream's queued work; `kv.packed.to_device` likewise)."""
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
 
 
 class AddressRows:

@@ -107,8 +107,8 @@ import torch
 
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScores, resolve_head_scores
-from wnw_exp.kv.base import KVStore
-from wnw_exp.kv.packed import queue_segments_stores, to_device
+from wnw_exp.kv.base import KVStore, to_device
+from wnw_exp.kv.packed import queue_segments_stores
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
 from wnw_exp.methods.wnw.mobility import measure_swap_mobility
@@ -444,7 +444,7 @@ class WnW(Policy):
         return plan
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
-        """A host array on the sample's device, with no host wait (`kv.packed.to_device`)."""
+        """A host array on the sample's device, with no host wait (`kv.base.to_device`)."""
         return to_device(x, torch.device(self.ctx.device))
 
     @property

@@ -418,11 +418,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         """The stream has left (or was preempted): give its extent and its dense pages back to the pool (the store
         must not be used after)."""
         if self.pool is not None and self.extent is not None:
-            self.pool.free(self.extent)
+            self.pool.free_many([self.extent] + [e for page in self._pages for e in page])  # in one pass
             self.extent = None
-            for page in self._pages:
-                for e in page:
-                    self.pool.free(e)
             self._pages = []
             self.audio_k = self.audio_v = self.dense_k = self.dense_v = None
         if self.pool is not None and self.host_k is not None:  # the next stream of this shape pins nothing new

@@ -26,9 +26,11 @@ stream of the same shape.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -103,6 +105,29 @@ class FirstFit:
             self.runs[i - 1] = (b, n)
         else:
             self.runs.insert(i, (b, n))
+
+    def give_many(self, starts, lengths) -> None:
+        """`give` of many runs at once (a leaving stream's pages): the runs coalesced, then merged into the free
+        list in one pass (one `give` each costs a search and a list insertion per run)."""
+        starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        if not len(starts):
+            return
+        order = np.argsort(starts, kind="stable")
+        starts, lengths = starts[order], lengths[order]
+        self.used -= int(lengths.sum())
+        ends = starts + lengths
+        new_run = np.ones(len(starts), bool)
+        new_run[1:] = starts[1:] != ends[:-1]  # a run that does not continue the previous one
+        first = np.flatnonzero(new_run)
+        last = np.append(first[1:], len(starts)) - 1
+        given = list(zip(starts[first].tolist(), (ends[last] - starts[first]).tolist()))
+        out: list[tuple[int, int]] = []
+        for b, n in heapq.merge(self.runs, given):
+            if out and out[-1][0] + out[-1][1] == b:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((b, n))
+        self.runs = out
 
 
 class KVPool:
@@ -191,10 +216,20 @@ class KVPool:
         return ext
 
     def free(self, ext: Extent) -> None:
-        if self._live.get(ext.block) != ext:
-            raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
-        del self._live[ext.block]
-        self._blocks.give(ext.block, ext.n_blocks)
+        self.free_many([ext])
+
+    def free_many(self, extents) -> None:
+        """Give back extents handed out (all checked before any is freed)."""
+        live = self._live
+        for ext in extents:
+            if live.get(ext.block) is not ext:
+                raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
+        for ext in extents:
+            del live[ext.block]
+        if len(extents) == 1:
+            self._blocks.give(extents[0].block, extents[0].n_blocks)
+        else:
+            self._blocks.give_many([e.block for e in extents], [e.n_blocks for e in extents])
 
     def views(self, ext: Extent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The extent's K rows, V rows and slot positions (views into the pool)."""

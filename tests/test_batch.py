@@ -105,6 +105,44 @@ def test_batched_fused_step_on_a_pool_matches_bs1(case):
     assert all(0 < a + b <= t for a, b, t in zip(stats.step_after_ms, stats.step_build_ms, stats.step_ms))
 
 
+@pytest.mark.parametrize("method", ["wnw", "full"])
+def test_a_placement_under_way_lets_the_running_streams_decode_and_changes_no_result(method, monkeypatch):
+    """A stream's placement runs in phases (`Stream.finish_phases`); on CUDA the engine goes on stepping the running
+    streams until a phase's event has passed (`advance_placement`), rather than waiting for it. Here each phase's
+    fence passes only at its third poll: the other streams take steps meanwhile, and every result, the placed
+    stream's included, is still batch size 1's."""
+    from wnw_exp.engine import decode
+
+    polls = []
+
+    class Fence:  # a CUDA event as the scheduler sees it, passed at its third query
+        def __init__(self):
+            self.n = 0
+
+        def query(self):
+            self.n += 1
+            polls.append(self.n)
+            return self.n >= 3
+
+        def synchronize(self):
+            self.n = 3
+
+    monkeypatch.setattr(decode.Stream, "_event", lambda self, wanted: Fence() if wanted else None)
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=True, kernels="torch")
+    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
+    solo, batched, stats = _solo_and_batched(bb, method, path, pool=pool)
+    assert polls.count(1) >= 4 and max(polls) == 3  # the later streams' phases waited while others decoded
+    # the second stream's two phases, each polled twice before it passed: the first stream took 4 steps alone
+    # meanwhile (one a poll), besides the one its prefill ran beside
+    assert stats.batch_sizes[:5] == [1] * 5 and max(stats.batch_sizes) >= 2
+    for i, a in enumerate(solo):
+        b = batched[i]
+        assert b.tokens == a.tokens and b.store_summary == a.store_summary and b.trace == a.trace
+        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
+    assert pool.used_blocks == 0
+
+
 def test_a_pool_with_room_for_one_stream_runs_two_one_after_the_other():
     bb = _backbone("voxtral")
     path = dict(store="packed", fused=True, kernels="torch")
@@ -506,6 +544,39 @@ def test_pool_allocator():
     assert pool.used_blocks == 0 and pool.free_blocks == 10
     whole = pool.alloc(10 * 64)  # the free runs merged back into one: the whole pool in one extent, from block 0
     assert whole is not None and whole.block == 0
+
+
+def test_pool_free_many_leaves_the_free_list_of_one_free_at_a_time():
+    """A leaving stream gives back its extent and its scattered pages in one pass (`free_many`): the free runs, the
+    counts and what later allocations get are those of freeing each extent on its own; a bad extent frees none."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        pools = [KVPool(64 * 200, 4, torch.float32, "cpu", block=64) for _ in range(2)]
+        held = [[], []]
+        for _ in range(30):  # the same allocations in both pools
+            if rng.random() < 0.5:
+                n = int(rng.integers(1, 400))
+                got = [p.alloc(n) for p in pools]
+                got = [[g] if g is not None else [] for g in got]
+            else:
+                n = int(rng.integers(1, 12))
+                got = [p.alloc_blocks(n) or [] for p in pools]
+            for h, g in zip(held, got):
+                h.append(g)
+        leaving = rng.permutation(len(held[0]))[:15]
+        for i in leaving:  # one stream's extents at once, against one at a time
+            pools[0].free_many(held[0][i])
+            for e in held[1][i]:
+                pools[1].free(e)
+        assert pools[0]._blocks.runs == pools[1]._blocks.runs
+        assert pools[0].used_blocks == pools[1].used_blocks and pools[0].peak_blocks == pools[1].peak_blocks
+        assert [e.block for e in pools[0].alloc_blocks(7) or []] == [e.block for e in pools[1].alloc_blocks(7) or []]
+    pool = KVPool(640, 8, torch.float32, "cpu", block=64)
+    a, b = pool.alloc(64), pool.alloc(64)
+    pool.free(a)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free_many([b, a])
+    assert pool.used_blocks == 1  # b was not freed either
 
 
 def test_bad_max_concurrent():

@@ -249,7 +249,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     laps.lap("place")
                     waiting_for_room = joined is None  # retried once a stream has left
                     stats.room_waits += waiting_for_room
-                    if joined is not None:
+                    if joined is not None and joined is not PLACING:
                         admitting = None
                         stats.first_token_at.setdefault(st.key, st.emitted_at[0])
                         if joined:
@@ -306,6 +306,9 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             return
 
 
+PLACING = "placing"  # `_admit`: the placement's device work is under way
+
+
 def _recompose(batched: dict) -> None:
     """The batch's composition changed: its next step seats the new one (`step_streams`), keeping each bucket's
     step, tables and graphs."""
@@ -343,19 +346,22 @@ def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
     return True, k
 
 
-def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
+def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None | str:
     """Place a prefilled stream's KV (in its pool, if any) and emit its first token. True: it joins the batch;
     False: it is already done (its first token ended it); None: the pool lacks room now for its placed KV and the
-    expected growth of it and of the running streams (retry after a stream leaves). A stream that cannot fit an
-    empty pool raises PoolFull."""
+    expected growth of it and of the running streams (retry after a stream leaves); PLACING: the placement's device
+    work is under way while streams run (`Stream.advance_placement`: call again after their next step). A stream
+    that cannot fit an empty pool raises PoolFull."""
     from wnw_exp.kv.pool import PoolFull
 
-    reserve = 0
-    if active and st.store.pool is not None:  # alone, it joins when its placed KV fits
-        reserve = st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active
-                                                 if o.store.pool is not None)
+    def reserve() -> int:  # read when the compaction runs
+        if not active or st.store.pool is None:  # alone, it joins when its placed KV fits
+            return 0
+        return st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active if o.store.pool is not None)
+
     try:
-        st.finish_prefill(reserve)
+        if not st.advance_placement(reserve, wait=not active):
+            return PLACING
     except PoolFull:
         if not active:
             stats.refused.append(st.key)

@@ -583,6 +583,9 @@ def test_bad_max_concurrent():
     bb = _backbone("voxtral")
     with pytest.raises(ValueError, match="at least 1"):
         list(decode_batch(bb, [], _policy("full", bb).fork, retention=1.0, max_concurrent=0))
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="^step_priority runs the decode steps on a CUDA stream"):
+            list(decode_batch(bb, [], _policy("full", bb).fork, retention=1.0, step_priority=True))
 
 
 # --- the batched Triton kernels --------------------------------------------------------------------------

@@ -114,8 +114,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                  retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
                  store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
                  prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
-                 reserve_tokens: int | float | None = None,
-                 overlap_prefill: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
+                 reserve_tokens: int | float | None = None, overlap_prefill: bool | None = None,
+                 step_priority: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
     """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
     (or (key, exception) for one that failed), in the order they finish.
 
@@ -146,7 +146,42 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     batch-size bucket seats each new composition in place and replays the graph the bucket captured before
     (`engine.decode.step_streams`); otherwise one graph per composition is captured after `WARM_STEPS` eager steps
     (at its first step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
+    With `step_priority` (None: on CUDA unless `overlap_prefill` is False) the loop's work, the decode steps
+    first, runs on a CUDA stream of the device's highest priority and an overlapped prefill on one of normal
+    priority, so the GPU's block scheduler serves a step's kernels before the prefill's GEMM tiles waiting beside
+    them: the prefill fills what the steps leave.
     """
+    dev = backbone.device
+    if step_priority is None:
+        step_priority = dev.type == "cuda" and overlap_prefill is not False
+    if step_priority and dev.type != "cuda":
+        raise ValueError("step_priority runs the decode steps on a CUDA stream of high priority: it needs a CUDA device")
+    loop = _decode_loop(backbone, requests, make_policy, retention=retention, max_concurrent=max_concurrent,
+                        pool=pool, keep_logits=keep_logits, store=store, fused=fused, graph=graph, kernels=kernels,
+                        prefill_chunk_layers=prefill_chunk_layers, stats=stats, reserve_tokens=reserve_tokens,
+                        overlap_prefill=overlap_prefill)
+    if not step_priority:
+        yield from loop
+        return
+    steps, caller = torch.cuda.Stream(dev, priority=-100), torch.cuda.current_stream(dev)
+    while True:  # the loop on `steps`, the caller on its own stream between two results
+        steps.wait_stream(caller)  # (what the caller launched before comes first)
+        with torch.cuda.stream(steps):
+            try:
+                item = next(loop)
+            except StopIteration:
+                return
+        caller.wait_stream(steps)
+        yield item
+
+
+@torch.no_grad()
+def _decode_loop(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
+                 retention: float, max_concurrent: int | None, pool, keep_logits: bool, store: str,
+                 fused: bool | None, graph: bool | None, kernels: str, prefill_chunk_layers: int | None,
+                 stats: BatchStats | None, reserve_tokens: int | float | None,
+                 overlap_prefill: bool | None) -> Iterator[tuple[object, DecodeResult | Exception]]:
+    """`decode_batch`'s loop, on the current CUDA stream."""
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
     limit = max_concurrent if max_concurrent is not None else 1 << 30

@@ -96,8 +96,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None,
-             arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None,
-             step_priority: bool | None = None) -> dict:
+             arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None) -> dict:
     from wnw_exp.engine.serve import BatchStats, Request, decode_batch, default_pool
     from wnw_exp.kv.pool import KVPool
 
@@ -114,7 +113,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     arrivals = arrivals if arrivals is not None else [0.0] * len(caps)
     requests = [Request(i, prompt, c, expected, arrival_s=a) for i, (c, a) in enumerate(zip(caps, arrivals))]
     for key, res in decode_batch(bb, requests, template.fork, retention=r, pool=pool, prefill_chunk_layers=chunk_layers,
-                                 stats=stats, overlap_prefill=overlap, step_priority=step_priority, **path):
+                                 stats=stats, overlap_prefill=overlap, **path):
         if isinstance(res, Exception):
             raise res
         results[key] = res
@@ -145,7 +144,6 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 prefill_ms_mean=float(np.mean([x.prefill_ms for x in results.values()])),
                 prefill_stall_ms_max=max(stats.prefill_ms_between_steps, default=0.0),
                 prefill_chunk_layers=chunk_layers, overlap_prefill=bool(overlap is not False and bb.device.type == "cuda"),
-                step_priority=step_priority is not False and overlap is not False and bb.device.type == "cuda",
                 pool_peak_gb=pool.stats()["peak_bytes"] / 1e9,
                 pool_capacity_gb=pool.capacity_bytes / 1e9, refused=len(stats.refused),
                 host_arena_gb=pool.stats()["host_arena_bytes"] / 1e9,
@@ -444,9 +442,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-overlap-prefill", action="store_true",
                     help="--gpu: run each prefill between decode steps on the decode stream (the default runs it on a "
                          "CUDA stream of its own, beside the decode steps)")
-    ap.add_argument("--no-step-priority", action="store_true",
-                    help="--gpu: run the decode steps on a stream of normal priority (the default gives them the "
-                         "device's highest, the overlapped prefill normal)")
     ap.add_argument("--bs1-tokens", type=int, default=32, help="answer length of the batch-size-1 latency rows")
     ap.add_argument("--graph-methods", default="wnw,full",
                     help="--gpu: after every scenario ran without CUDA graphs, these again with one graph per batch "
@@ -558,8 +553,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         arrivals = poisson_arrivals(n_req, a.arrival_rate, seed=1)
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
                                                          a.prefill_chunk_layers, job_path, mean, arrivals,
-                                                         False if a.no_overlap_prefill else None, a.kv_host_gb,
-                                                         False if a.no_step_priority else None)),
+                                                         False if a.no_overlap_prefill else None, a.kv_host_gb)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

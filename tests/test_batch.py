@@ -105,44 +105,6 @@ def test_batched_fused_step_on_a_pool_matches_bs1(case):
     assert all(0 < a + b <= t for a, b, t in zip(stats.step_after_ms, stats.step_build_ms, stats.step_ms))
 
 
-@pytest.mark.parametrize("method", ["wnw", "full"])
-def test_a_placement_under_way_lets_the_running_streams_decode_and_changes_no_result(method, monkeypatch):
-    """A stream's placement runs in phases (`Stream.finish_phases`); on CUDA the engine goes on stepping the running
-    streams until a phase's event has passed (`advance_placement`), rather than waiting for it. Here each phase's
-    fence passes only at its third poll: the other streams take steps meanwhile, and every result, the placed
-    stream's included, is still batch size 1's."""
-    from wnw_exp.engine import decode
-
-    polls = []
-
-    class Fence:  # a CUDA event as the scheduler sees it, passed at its third query
-        def __init__(self):
-            self.n = 0
-
-        def query(self):
-            self.n += 1
-            polls.append(self.n)
-            return self.n >= 3
-
-        def synchronize(self):
-            self.n = 3
-
-    monkeypatch.setattr(decode.Stream, "_event", lambda self, wanted: Fence() if wanted else None)
-    bb = _backbone("voxtral")
-    path = dict(store="packed", fused=True, kernels="torch")
-    pool = KVPool(100_000, bb.head_dim, bb.dtype, bb.device)
-    solo, batched, stats = _solo_and_batched(bb, method, path, pool=pool)
-    assert polls.count(1) >= 4 and max(polls) == 3  # the later streams' phases waited while others decoded
-    # the second stream's two phases, each polled twice before it passed: the first stream took 4 steps alone
-    # meanwhile (one a poll), besides the one its prefill ran beside
-    assert stats.batch_sizes[:5] == [1] * 5 and max(stats.batch_sizes) >= 2
-    for i, a in enumerate(solo):
-        b = batched[i]
-        assert b.tokens == a.tokens and b.store_summary == a.store_summary and b.trace == a.trace
-        assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-4
-    assert pool.used_blocks == 0
-
-
 def test_a_pool_with_room_for_one_stream_runs_two_one_after_the_other():
     bb = _backbone("voxtral")
     path = dict(store="packed", fused=True, kernels="torch")
@@ -583,9 +545,6 @@ def test_bad_max_concurrent():
     bb = _backbone("voxtral")
     with pytest.raises(ValueError, match="at least 1"):
         list(decode_batch(bb, [], _policy("full", bb).fork, retention=1.0, max_concurrent=0))
-    if not HAS_CUDA:
-        with pytest.raises(ValueError, match="^step_priority runs the decode steps on a CUDA stream"):
-            list(decode_batch(bb, [], _policy("full", bb).fork, retention=1.0, step_priority=True))
 
 
 # --- the batched Triton kernels --------------------------------------------------------------------------

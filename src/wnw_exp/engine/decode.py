@@ -15,7 +15,6 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
@@ -126,7 +125,6 @@ class Stream:
         self.defer_place = overlap is not None if defer_place is None else bool(defer_place)
         self._done_event = None
         self._scores: list = []
-        self._placing = self._fence_at = self._reserve = None  # `advance_placement`'s phases, under way
         self.request = None  # the `Request` it decodes, in a batch (preemption puts it back in the queue)
         self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
         dev = backbone.device
@@ -237,89 +235,28 @@ class Stream:
         if self._done_event is not None:
             self._done_event.synchronize()
 
-    def finish_prefill(self, reserve_blocks: int | Callable[[], int] = 0) -> None:
+    def finish_prefill(self, reserve_blocks: int = 0) -> None:
         """With `defer_place`, the method's placement of every layer (in layer order; once); the store's compaction
         (frees the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept free, changing nothing: it can
         be called again), the decisions in force at decode step 0, the first token's logits. On `place_stream` where
-        set, else on `overlap`: `finish_phases`, each phase waiting for the one before."""
-        self.advance_placement(reserve_blocks, wait=True)
-
-    def advance_placement(self, reserve_blocks: int | Callable[[], int] = 0, wait: bool = False) -> bool:
-        """`finish_prefill` without a host wait: runs each phase of `finish_phases` whose fence has passed (`wait`:
-        waits for them); True once the stream is placed, False while the device still runs a phase (call again
-        later: the running streams decode meanwhile). `reserve_blocks` is read when the compaction runs, from the
-        latest call. An exception (`PoolFull`) ends the phases; a later call starts over, placing nothing twice."""
-        self._reserve = reserve_blocks
-        if self._placing is None:
-            self._placing, self._fence_at = self.finish_phases(
-                lambda: self._reserve() if callable(self._reserve) else self._reserve), None
-        try:
-            while True:
-                if self._fence_at is not None and not self._fence_at.query():
-                    if not wait:
-                        return False
-                    self._fence_at.synchronize()
-                self._fence_at = next(self._placing)  # (None off CUDA: the next phase at once)
-        except StopIteration:
-            self._placing = self._fence_at = None
-            return True
-        except BaseException:
-            self._placing = self._fence_at = None
-            raise
-
-    def finish_phases(self, reserve_blocks: int | Callable[[], int] = 0) -> Iterator:
-        """`finish_prefill` in three phases, a generator: (1) the method's placement of every held layer; (2) the
-        compaction (`reserve_blocks`, or what a callable gives then), the decisions in force at step 0, the first
-        token's logits; (3) reading the first token. After each of the first two it yields a CUDA event recorded
-        behind its device work (None off CUDA): the next phase's host reads (the placement's masks, the tokens)
-        would wait for it, so a scheduler resumes the generator once the event has passed. With `overlap`, each
-        phase's device time (start to its event) counts in `prefill_ms`, as the forward pass's does; without, the
-        host's wall time from the first phase to the last."""
+        set, else on `overlap`."""
         stream = self.place_stream if self.place_stream is not None else self.overlap
         if self.place_stream is not None:  # (the forward pass on `overlap` has run: `prefill_ready`)
             self.place_stream.wait_stream(self.overlap)
-        on = (lambda: torch.cuda.stream(stream)) if stream is not None else nullcontext
-        timed = self.overlap is not None
-        t0 = time.perf_counter()
-        with on():
-            begin = self._event(timed)
-            self._place_layers()
-            fence = self._event(True)
-        yield fence
-        if timed:
-            self.prefill_ms += begin.elapsed_time(fence)
-        with on():
-            begin = self._event(timed)
-            reserve = reserve_blocks() if callable(reserve_blocks) else reserve_blocks
-            token = self._compact_and_logits(reserve)
-            fence = self._event(True)
-        yield fence
-        if timed:
-            self.prefill_ms += begin.elapsed_time(fence)
-        self.next_token = int(token)  # (its copy has run: behind the fence)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self._finish_prefill(reserve_blocks)
         if stream is not None:  # the decode steps (current stream) read what this stream wrote
             torch.cuda.current_stream(self.backbone.device).wait_stream(stream)
-        if not timed:
-            self.prefill_ms += (time.perf_counter() - t0) * 1e3
 
-    def _event(self, wanted: bool):
-        """A CUDA event recorded on the current stream (None off CUDA or where not `wanted`)."""
-        if not wanted or self.backbone.device.type != "cuda":
-            return None
-        ev = torch.cuda.Event(enable_timing=self.overlap is not None)
-        ev.record()
-        return ev
-
-    def _place_layers(self) -> None:
+    def _finish_prefill(self, reserve_blocks: int) -> None:
         if self._done_event is not None:  # the forward pass's device time (it shared the GPU with decode steps)
             self._done_event.synchronize()
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
+        t0 = time.perf_counter()
         placed = [(li, p) for li, scores in self._scores if (p := self.policy.place(li, scores)) is not None]
         apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
-
-    def _compact_and_logits(self, reserve_blocks: int) -> torch.Tensor:
         if reserve_blocks:
             self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)
         else:
@@ -330,10 +267,13 @@ class Stream:
         self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
         token = torch.argmax(self.logits)
         del self._last_hidden
-        if bb.device.type == "cuda":  # the first token read behind the phase's event, not a wait of its own
+        if bb.device.type == "cuda":  # the first token read with the stream's one wait below, not a wait of its own
             token = torch.empty((), dtype=token.dtype, pin_memory=True).copy_(token, non_blocking=True)
         self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
-        return token
+        if bb.device.type == "cuda":  # this stream's work (not the decode steps running beside an overlapped one)
+            torch.cuda.current_stream(bb.device).synchronize()
+        self.next_token = int(token)
+        self.prefill_ms += (time.perf_counter() - t0) * 1e3
 
     def prefill(self) -> None:
         for _ in self.prefill_layers():

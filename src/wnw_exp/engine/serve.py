@@ -114,8 +114,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                  retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
                  store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
                  prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
-                 reserve_tokens: int | float | None = None, overlap_prefill: bool | None = None,
-                 step_priority: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
+                 reserve_tokens: int | float | None = None,
+                 overlap_prefill: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
     """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
     (or (key, exception) for one that failed), in the order they finish.
 
@@ -146,42 +146,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     batch-size bucket seats each new composition in place and replays the graph the bucket captured before
     (`engine.decode.step_streams`); otherwise one graph per composition is captured after `WARM_STEPS` eager steps
     (at its first step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
-    With `step_priority` (None: on CUDA unless `overlap_prefill` is False) the loop's work, the decode steps
-    first, runs on a CUDA stream of the device's highest priority and an overlapped prefill on one of normal
-    priority, so the GPU's block scheduler serves a step's kernels before the prefill's GEMM tiles waiting beside
-    them: the prefill fills what the steps leave.
     """
-    dev = backbone.device
-    if step_priority is None:
-        step_priority = dev.type == "cuda" and overlap_prefill is not False
-    if step_priority and dev.type != "cuda":
-        raise ValueError("step_priority runs the decode steps on a CUDA stream of high priority: it needs a CUDA device")
-    loop = _decode_loop(backbone, requests, make_policy, retention=retention, max_concurrent=max_concurrent,
-                        pool=pool, keep_logits=keep_logits, store=store, fused=fused, graph=graph, kernels=kernels,
-                        prefill_chunk_layers=prefill_chunk_layers, stats=stats, reserve_tokens=reserve_tokens,
-                        overlap_prefill=overlap_prefill)
-    if not step_priority:
-        yield from loop
-        return
-    steps, caller = torch.cuda.Stream(dev, priority=-100), torch.cuda.current_stream(dev)
-    while True:  # the loop on `steps`, the caller on its own stream between two results
-        steps.wait_stream(caller)  # (what the caller launched before comes first)
-        with torch.cuda.stream(steps):
-            try:
-                item = next(loop)
-            except StopIteration:
-                return
-        caller.wait_stream(steps)
-        yield item
-
-
-@torch.no_grad()
-def _decode_loop(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
-                 retention: float, max_concurrent: int | None, pool, keep_logits: bool, store: str,
-                 fused: bool | None, graph: bool | None, kernels: str, prefill_chunk_layers: int | None,
-                 stats: BatchStats | None, reserve_tokens: int | float | None,
-                 overlap_prefill: bool | None) -> Iterator[tuple[object, DecodeResult | Exception]]:
-    """`decode_batch`'s loop, on the current CUDA stream."""
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
     limit = max_concurrent if max_concurrent is not None else 1 << 30
@@ -284,7 +249,7 @@ def _decode_loop(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     laps.lap("place")
                     waiting_for_room = joined is None  # retried once a stream has left
                     stats.room_waits += waiting_for_room
-                    if joined is not None and joined is not PLACING:
+                    if joined is not None:
                         admitting = None
                         stats.first_token_at.setdefault(st.key, st.emitted_at[0])
                         if joined:
@@ -341,9 +306,6 @@ def _decode_loop(backbone: Backbone, requests: Iterable[Request], make_policy: C
             return
 
 
-PLACING = "placing"  # `_admit`: the placement's device work is under way
-
-
 def _recompose(batched: dict) -> None:
     """The batch's composition changed: its next step seats the new one (`step_streams`), keeping each bucket's
     step, tables and graphs."""
@@ -381,22 +343,19 @@ def _advance(layers: Iterator, n: int | None) -> tuple[bool, int]:
     return True, k
 
 
-def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None | str:
+def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
     """Place a prefilled stream's KV (in its pool, if any) and emit its first token. True: it joins the batch;
     False: it is already done (its first token ended it); None: the pool lacks room now for its placed KV and the
-    expected growth of it and of the running streams (retry after a stream leaves); PLACING: the placement's device
-    work is under way while streams run (`Stream.advance_placement`: call again after their next step). A stream
-    that cannot fit an empty pool raises PoolFull."""
+    expected growth of it and of the running streams (retry after a stream leaves). A stream that cannot fit an
+    empty pool raises PoolFull."""
     from wnw_exp.kv.pool import PoolFull
 
-    def reserve() -> int:  # read when the compaction runs
-        if not active or st.store.pool is None:  # alone, it joins when its placed KV fits
-            return 0
-        return st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active if o.store.pool is not None)
-
+    reserve = 0
+    if active and st.store.pool is not None:  # alone, it joins when its placed KV fits
+        reserve = st.store.growth_blocks() + sum(o.store.outstanding_blocks() for o in active
+                                                 if o.store.pool is not None)
     try:
-        if not st.advance_placement(reserve, wait=not active):
-            return PLACING
+        st.finish_prefill(reserve)
     except PoolFull:
         if not active:
             stats.refused.append(st.key)

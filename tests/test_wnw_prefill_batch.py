@@ -142,6 +142,52 @@ def test_place_per_layer_matches_per_head(selection, quota, store_cls, device):
             assert torch.equal(getattr(store, name), getattr(old_store, name)), name
 
 
+class Calls(TorchFunctionMode):
+    """Counts the tensor functions called inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layers", [list(range(L)), [0, 2, 3]])
+@pytest.mark.parametrize("selection", ["segment", "global"])
+def test_place_all_makes_the_per_layer_decisions_in_one_sort(selection, layers):
+    """The deferred placement (`WnW.place_all`, every held layer at once) against `place` layer by layer: the same
+    masks, host tiers and selected heads, the same anchor signal and `offloaded`, the same store once applied; its
+    selections come from one stable sort over every placed head of every layer instead of one a layer."""
+    from wnw_exp.methods.base import apply_placements
+
+    policy, store = make(PackedAudioKVStore, selection, "spread")
+    ref_policy, ref_store = make(PackedAudioKVStore, selection, "spread")
+    scored = []
+    for layer in range(L):  # every layer's K/V; the scores of `layers` held
+        k, post = layer_inputs(layer)
+        for s in (store, ref_store):
+            s.write_prefill(layer, k, k + 1, (2, 2 + N_AUDIO))
+        if layer in layers:
+            scored.append((layer, PrefillScores(post)))
+    ref = [(li, p) for li, sc in scored if (p := ref_policy.place(li, sc)) is not None]
+    with Calls() as calls:
+        got = policy.place_all(scored)
+    assert calls.names.count("argsort") == 1
+    assert [li for li, _ in got] == [li for li, _ in ref] and len(got) >= 2
+    for (_, a), (_, b) in zip(got, ref):
+        assert torch.equal(a.gpu, b.gpu) and torch.equal(a.select, b.select)
+        assert (a.cpu is None) == (b.cpu is None) and (a.cpu is None or torch.equal(a.cpu, b.cpu))
+    assert torch.equal(policy.scores_acc, ref_policy.scores_acc)
+    apply_placements(store, got)
+    apply_placements(ref_store, ref)
+    assert_same_store(store, ref_store)
+    got_off, ref_off = policy.offloaded, ref_policy.offloaded
+    assert list(got_off) == list(ref_off) and all(torch.equal(got_off[h], ref_off[h]) for h in ref_off)
+    assert np.array_equal(policy.recall_headroom, ref_policy.recall_headroom)
+
+
 class HostReads(TorchFunctionMode):
     """Counts the tensor calls that read values on the host (on a GPU: a synchronisation) made inside it."""
 

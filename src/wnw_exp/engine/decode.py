@@ -254,7 +254,7 @@ class Stream:
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
         t0 = time.perf_counter()
-        placed = [(li, p) for li, scores in self._scores if (p := self.policy.place(li, scores)) is not None]
+        placed = self.policy.place_all(self._scores)
         apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
         if reserve_blocks:

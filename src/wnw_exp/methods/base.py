@@ -173,6 +173,12 @@ class Policy:
         the device). The engine applies it (`Placement.apply`); a method does not set the store's tiers itself."""
         return None
 
+    def place_all(self, scored: list[tuple[int, PrefillScores]]) -> list[tuple[int, Placement]]:
+        """`place` of several layers ((layer, scores) in layer order: the engine's deferred placement, once the
+        forward pass has run), the layers with a placement in order. A method may decide them together (fewer
+        launches), making the decisions `place` makes layer by layer."""
+        return [(li, p) for li, scores in scored if (p := self.place(li, scores)) is not None]
+
     def before_attention(self, layer: int, q: torch.Tensor) -> None:
         """At decode, before attention of `layer`, with the step's query (H_q, D) after RoPE. Moves queued here
         must be flushed here (`store.flush(layer)`) to be in force for this layer's attention."""

@@ -421,6 +421,41 @@ class WnW(Policy):
             self._unread.append((layer, tidal_heads, keep))
         return Placement(keep, offload, select=plan["placed"][layer])
 
+    def place_all(self, scored: list[tuple[int, PrefillScores]]) -> list[tuple[int, Placement]]:
+        """`place` of every held layer, their selections in one stable sort over every placed head of every layer
+        (rows are sorted each on its own: the masks are `place`'s); each layer's head scores and anchor signal as
+        `place` computes them."""
+        if not scored:
+            return []
+        H, g = self.ctx.n_kv_heads, self.ctx.group
+        plan = self._placement(scored[0][1].post_audio.shape[-1])
+        layers, per_head = [], []
+        for layer, scores in scored:
+            post = scores.post_audio
+            if self.swap_start == "prefill" and self.anchor_q.get(layer):
+                last = scores.last_window[:, -1] if scores.last_window is not None else post[:, -1]
+                a0, a1 = plan["anchor_at"][layer], plan["anchor_at"][layer + 1]
+                self.scores_acc += last.index_select(0, plan["anchor_q"][a0:a1]).float().sum(dim=0)
+            if plan["placed_host"][layer].any():
+                layers.append(layer)
+                per_head.append(post.float().sum(dim=1).view(H, g, -1).sum(dim=1))  # (H_kv, n_audio)
+        if not layers:
+            return []
+        at = torch.as_tensor(layers, device=per_head[0].device) if len(layers) < self.ctx.n_layers else None
+        quotas, placed, tidal = (plan[k] if at is None else plan[k].index_select(0, at)
+                                 for k in ("quotas", "placed", "tidal"))
+        n_a = per_head[0].shape[-1]
+        keep = triage.select_masks(torch.stack(per_head).view(-1, n_a), quotas.reshape(len(layers) * H, -1),
+                                   plan["block"]).view(len(layers), H, n_a)
+        offload = ~keep & tidal[..., None]
+        out = []
+        for i, layer in enumerate(layers):
+            tidal_heads = plan["tidal_heads"][layer]
+            if tidal_heads:
+                self._unread.append((layer, tidal_heads, keep[i]))
+            out.append((layer, Placement(keep[i], offload[i] if tidal_heads else None, select=placed[i])))
+        return out
+
     def _placement(self, n_a: int) -> dict:
         """What `place` needs for every layer: each (layer, KV head)'s per-block quotas (`triage.block_quotas`), which
         heads are placed (non-anchor, retention < 1) and which of those are tidal, and every layer's anchor query heads

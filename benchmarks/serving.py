@@ -183,7 +183,8 @@ def gemm_tflops(dev, n: int = 8192, reps: int = 10) -> float:
 @torch.no_grad()
 def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: float, path: dict, reps: int = 5,
                 top: int = 12) -> dict:
-    """One request's prefill as admission runs it (`Stream.prefill_layers` + `finish_prefill` into a pool), median of
+    """One request's prefill as admission runs it while streams decode (`Stream.prefill_layers`, every layer placed
+    after the forward pass by `finish_prefill`, into a pool), on its own on the GPU, median of
     `reps` after a warm one, against its compute floor: the decoder's matmul FLOPs (2 x weights x tokens, and the
     causal attention's 2 x T^2 x H_q x D per layer) at the GEMM rate measured in the same call; and the `top`
     device kernels of one prefill (torch.profiler); `layers_host` and `finish_host`: the `top` host operations of its
@@ -203,7 +204,7 @@ def prefill_row(bb, prompt, method: str, info: dict, scores: Path, retention: fl
     def once(layers_prof=None, finish_prof=None) -> tuple[float, float]:
         policy = template.fork()
         st = Stream(bb, prompt, policy, retention=r, max_new_tokens=8, path=decode_path(bb.device, policy, **path),
-                    pool=pool, expected_new_tokens=8)
+                    pool=pool, expected_new_tokens=8, defer_place=True)
         ds._sync()
         t0 = time.perf_counter()
         with layers_prof if layers_prof is not None else nullcontext():

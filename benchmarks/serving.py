@@ -321,7 +321,8 @@ def _wall_parts(stats) -> dict:
     waiting for arrivals, making streams, prefill, placement, dense pages, decode steps, reading tokens, finishing
     streams, the caller, the loop's bookkeeping; they add up to the wall), and the decode steps by kind over every
     step (count and seconds: replays, captures, eager steps; a new composition of the batch costs eager + capture
-    steps), the prefill chunks run between two steps, and the admissions that waited for room in the pool."""
+    steps), the prefill chunks run between two steps, the admissions that waited for room in the pool, and the
+    placements' host time by part (`place_s_<part>`, `engine.decode.PLACE_PARTS`: most of `wall_s_place`)."""
     from wnw_exp.engine.serve import WALL_PARTS
 
     out = {f"wall_s_{part}": stats.wall_s.get(part, 0.0) for part in WALL_PARTS}
@@ -330,6 +331,9 @@ def _wall_parts(stats) -> dict:
         out[f"steps_{kind}"], out[f"step_s_{kind}"] = len(idx), sum(stats.step_ms[i] for i in idx) / 1e3
     out["prefill_s_between_steps"] = sum(stats.prefill_ms_between_steps) / 1e3
     out["room_waits"] = stats.room_waits
+    from wnw_exp.engine.decode import PLACE_PARTS
+
+    out.update({f"place_s_{part}": stats.place_s.get(part, 0.0) for part in PLACE_PARTS})  # parts of wall_s_place
     return out
 
 

@@ -343,6 +343,11 @@ def test_arrivals_are_waited_for_and_every_wall_second_has_one_part():
     assert stats.wall_s["step"] * 1e3 == pytest.approx(sum(stats.step_ms), rel=1e-6)
     for part in ("setup", "prefill", "place", "grow", "emit", "finish"):
         assert stats.wall_s[part] > 0
+    # the placements' parts, each measured, together inside the admissions' 'place' time
+    from wnw_exp.engine.decode import PLACE_PARTS
+
+    assert set(stats.place_s) == set(PLACE_PARTS) and all(v > 0 for v in stats.place_s.values())
+    assert sum(stats.place_s.values()) <= stats.wall_s["place"]
 
 
 @pytest.mark.parametrize("method,host", [("full", False), ("adakv", False), ("wnw", True), ("arkvale", True)])
@@ -966,6 +971,8 @@ def test_serving_benchmark_smoke(tmp_path):
         # every wall second in one named part of the engine's loop, the steps' part their sum
         parts = sum(v for k, v in x.items() if k.startswith("wall_s_"))
         assert parts == pytest.approx(x["wall_s"], rel=0.02) and x["wall_s_step"] == pytest.approx(x["step_s_eager"])
+        place = [x[f"place_s_{p}"] for p in ("decide", "compact", "start", "first", "wait")]
+        assert min(place) > 0 and sum(place) <= x["wall_s_place"]
         assert x["tokens_per_s_whole"] == pytest.approx(x["tokens_per_s"], rel=0.02)
         assert x["arrivals"] == "burst" and x["ttft_ms_p99"] >= x["ttft_ms_p50"] > 0
         assert x["itl_ms_p99"] >= x["itl_ms_p95"] == pytest.approx(x["p95_ms"])

@@ -98,6 +98,15 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 
+# The parts of a placement's host time (`Stream.place_s`), in order:
+#   decide   the method's decisions for every held layer and the store's tiers set (`place_all`, `apply_placements`)
+#   compact  the store's compaction into its pool (its one host read waits for the device work before it)
+#   start    the decisions in force at decode step 0 (`after_prefill`, `flush`)
+#   first    the first token's logits and the RoPE table launched
+#   wait     the host waiting for the placement's device work, then reading the first token
+PLACE_PARTS = ("decide", "compact", "start", "first", "wait")
+
+
 class Stream:
     """One sample through the engine: its store, its policy (its own state: WnW's chunk swap, ArkVale's pages,
     AdaKV's budgets), its positions and tokens. `engine.serve.decode_batch` decodes them, one or many at once.
@@ -161,6 +170,8 @@ class Stream:
         self.kept: list[torch.Tensor] = []
         self.terminated = self.done = False
         self.prefill_ms = 0.0
+        # host seconds of `finish_prefill`'s parts (PLACE_PARTS), summed over its calls (a retry after PoolFull too)
+        self.place_s: dict[str, float] = {}
         self.logits: torch.Tensor | None = None
         self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
         self.runner = None  # its `TokenRunner` (a fused step of its own), made at its first step
@@ -253,16 +264,27 @@ class Stream:
             self._done_event.synchronize()
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
-        t0 = time.perf_counter()
+        t0 = t = time.perf_counter()
+        parts = self.place_s
+
+        def lap(part: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            parts[part] = parts.get(part, 0.0) + now - t
+            t = now
+
         placed = self.policy.place_all(self._scores)
         apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
+        lap("decide")
         if reserve_blocks:
             self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)
         else:
             self.store.compact(headroom=self.policy.recall_headroom)
+        lap("compact")
         self.policy.after_prefill()
         self.store.flush()  # decisions made at prefill are in force at decode step 0
+        lap("start")
         bb = self.backbone
         self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
         token = torch.argmax(self.logits)
@@ -270,9 +292,11 @@ class Stream:
         if bb.device.type == "cuda":  # the first token read with the stream's one wait below, not a wait of its own
             token = torch.empty((), dtype=token.dtype, pin_memory=True).copy_(token, non_blocking=True)
         self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
+        lap("first")
         if bb.device.type == "cuda":  # this stream's work (not the decode steps running beside an overlapped one)
             torch.cuda.current_stream(bb.device).synchronize()
         self.next_token = int(token)
+        lap("wait")
         self.prefill_ms += (time.perf_counter() - t0) * 1e3
 
     def prefill(self) -> None:

@@ -78,6 +78,8 @@ class BatchStats:
     first_token_at: dict = field(default_factory=dict)  # key -> perf_counter() of its first token (first attempt's)
     # where the wall went: seconds by part of the loop (`WALL_PARTS`), every second of it in exactly one part
     wall_s: dict = field(default_factory=dict)
+    # the admissions' placements: host seconds by part (`engine.decode.PLACE_PARTS`), summed over the streams
+    place_s: dict = field(default_factory=dict)
 
 
 # The parts of `decode_batch`'s wall time (`BatchStats.wall_s`), in the order a request meets them:
@@ -357,13 +359,22 @@ def _admit(st: Stream, active: list[Stream], stats: BatchStats) -> bool | None:
     try:
         st.finish_prefill(reserve)
     except PoolFull:
+        _add_parts(stats.place_s, st.place_s)
         if not active:
             stats.refused.append(st.key)
             raise
         return None
+    _add_parts(stats.place_s, st.place_s)
     if st.path.store != "packed" or st.store.pool is None or not st.path.fused:
         st.make_step()
     return st.emit(st.next_token, st.logits)
+
+
+def _add_parts(total: dict, parts: dict) -> None:
+    """Add a stream's placement parts to the batch's, and clear them (a retried placement adds only its own)."""
+    for k, v in parts.items():
+        total[k] = total.get(k, 0.0) + v
+    parts.clear()
 
 
 def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, Exception]]]:

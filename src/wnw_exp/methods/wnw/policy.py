@@ -399,32 +399,19 @@ class WnW(Policy):
         return self.anchor_q.get(layer, [])
 
     def place(self, layer: int, scores: PrefillScores) -> Placement | None:
-        """Prefill selection of one layer: every placed head (non-anchor, retention < 1) at once, one mask per head from
-        one stable sort (`triage.select_masks`), in one placement (tidal heads offload the rest, fixed heads drop it).
-        No host read here; the tidal heads' host-tier positions are read back when `offloaded` is first read."""
-        post = scores.post_audio  # (H_q, n_post, n_audio)
-        H, g = self.ctx.n_kv_heads, self.ctx.group
-        per_head = post.float().sum(dim=1).view(H, g, -1).sum(dim=1)  # (H_kv, n_audio)
-        n_a = per_head.shape[-1]
-        plan = self._placement(n_a)
-        if self.swap_start == "prefill" and self.anchor_q.get(layer):
-            # the anchors' attention of the prompt's last row (it emits the first answer token), Eq. (2)
-            last = scores.last_window[:, -1] if scores.last_window is not None else post[:, -1]
-            a0, a1 = plan["anchor_at"][layer], plan["anchor_at"][layer + 1]
-            self.scores_acc += last.index_select(0, plan["anchor_q"][a0:a1]).float().sum(dim=0)
-        if not plan["placed_host"][layer].any():
-            return None
-        keep = triage.select_masks(per_head, plan["quotas"][layer], plan["block"])  # (H_kv, n_audio)
-        tidal_heads = plan["tidal_heads"][layer]
-        offload = ~keep & plan["tidal"][layer][:, None] if tidal_heads else None
-        if tidal_heads:
-            self._unread.append((layer, tidal_heads, keep))
-        return Placement(keep, offload, select=plan["placed"][layer])
+        """Prefill selection of one layer (`place_all` of that layer): every placed head (non-anchor, retention < 1)
+        at once, one mask per head from one stable sort (`triage.select_masks`), in one placement (tidal heads
+        offload the rest, fixed heads drop it). No host read here; the tidal heads' host-tier positions are read
+        back when `offloaded` is first read."""
+        got = self.place_all([(layer, scores)])
+        return got[0][1] if got else None
 
     def place_all(self, scored: list[tuple[int, PrefillScores]]) -> list[tuple[int, Placement]]:
-        """`place` of every held layer, their selections in one stable sort over every placed head of every layer
-        (rows are sorted each on its own: the masks are `place`'s); each layer's head scores and anchor signal as
-        `place` computes them."""
+        """The placement of every held layer (the engine's deferred placement holds them all): each layer's head
+        scores (its rows after the audio, summed over the query heads of each KV head) and, with swap_start=prefill,
+        its anchors' attention of the prompt's last row added to the anchor signal (Eq. (2)); then the selections of
+        every placed head of every layer in one stable sort (each row sorted on its own: the masks one layer at a
+        time would give)."""
         if not scored:
             return []
         H, g = self.ctx.n_kv_heads, self.ctx.group
@@ -441,7 +428,7 @@ class WnW(Policy):
                 per_head.append(post.float().sum(dim=1).view(H, g, -1).sum(dim=1))  # (H_kv, n_audio)
         if not layers:
             return []
-        at = torch.as_tensor(layers, device=per_head[0].device) if len(layers) < self.ctx.n_layers else None
+        at = self._to_device(np.asarray(layers, np.int64)) if len(layers) < self.ctx.n_layers else None
         quotas, placed, tidal = (plan[k] if at is None else plan[k].index_select(0, at)
                                  for k in ("quotas", "placed", "tidal"))
         n_a = per_head[0].shape[-1]

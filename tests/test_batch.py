@@ -543,6 +543,8 @@ def test_pool_free_many_leaves_the_free_list_of_one_free_at_a_time():
     pool.free(a)
     with pytest.raises(RuntimeError, match="freed twice"):
         pool.free_many([b, a])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free_many([b, b])
     assert pool.used_blocks == 1  # b was not freed either
 
 

@@ -221,9 +221,8 @@ class KVPool:
     def free_many(self, extents) -> None:
         """Give back extents handed out (all checked before any is freed)."""
         live = self._live
-        for ext in extents:
-            if live.get(ext.block) is not ext:
-                raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
+        if any(live.get(ext.block) is not ext for ext in extents) or len({e.block for e in extents}) < len(extents):
+            raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
         for ext in extents:
             del live[ext.block]
         if len(extents) == 1:

@@ -98,6 +98,21 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 
+class Laps:
+    """Attributes wall time to named parts: `lap(part)` gives `part` the time since the last lap (so the parts add
+    up to the wall, whatever runs between laps)."""
+
+    def __init__(self, wall: dict):
+        self.wall, self.t = wall, time.perf_counter()
+
+    def lap(self, part: str) -> float:
+        """Seconds since the last lap, given to `part`."""
+        now = time.perf_counter()
+        dt, self.t = now - self.t, now
+        self.wall[part] = self.wall.get(part, 0.0) + dt
+        return dt
+
+
 # The parts of a placement's host time (`Stream.place_s`), in order:
 #   decide   the method's decisions for every held layer and the store's tiers set (`place_all`, `apply_placements`)
 #   compact  the store's compaction into its pool (its one host read waits for the device work before it)
@@ -170,7 +185,7 @@ class Stream:
         self.kept: list[torch.Tensor] = []
         self.terminated = self.done = False
         self.prefill_ms = 0.0
-        # host seconds of `finish_prefill`'s parts (PLACE_PARTS), summed over its calls (a retry after PoolFull too)
+        # host seconds of `finish_prefill`'s parts (PLACE_PARTS) since `engine.serve` last collected them
         self.place_s: dict[str, float] = {}
         self.logits: torch.Tensor | None = None
         self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
@@ -264,15 +279,8 @@ class Stream:
             self._done_event.synchronize()
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
-        t0 = t = time.perf_counter()
-        parts = self.place_s
-
-        def lap(part: str) -> None:
-            nonlocal t
-            now = time.perf_counter()
-            parts[part] = parts.get(part, 0.0) + now - t
-            t = now
-
+        t0 = time.perf_counter()
+        lap = Laps(self.place_s).lap
         placed = self.policy.place_all(self._scores)
         apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
@@ -289,11 +297,11 @@ class Stream:
         self.logits = bb.lm_head(bb.final_norm(self._last_hidden))[0, -1].float()
         token = torch.argmax(self.logits)
         del self._last_hidden
-        if bb.device.type == "cuda":  # the first token read with the stream's one wait below, not a wait of its own
+        if bb.device.type == "cuda":  # the first token comes to pinned memory; it is read after the one wait below
             token = torch.empty((), dtype=token.dtype, pin_memory=True).copy_(token, non_blocking=True)
         self.cos, self.sin = bb.rope_table(bb.prompt_positions(self.prompt), self.max_new_tokens)
         lap("first")
-        if bb.device.type == "cuda":  # this stream's work (not the decode steps running beside an overlapped one)
+        if bb.device.type == "cuda":  # waits for this stream's work only, not for decode steps on other streams
             torch.cuda.current_stream(bb.device).synchronize()
         self.next_token = int(token)
         lap("wait")

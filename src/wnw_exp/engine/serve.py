@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wnw_exp.backbones.base import Backbone, Prompt
-from wnw_exp.engine.decode import DecodeResult, Stream, decode_path, step_streams
+from wnw_exp.engine.decode import DecodeResult, Laps, Stream, decode_path, step_streams
 from wnw_exp.methods.base import Policy
 
 
@@ -96,21 +96,6 @@ class BatchStats:
 WALL_PARTS = ("wait", "setup", "prefill", "place", "grow", "step", "emit", "finish", "caller", "loop")
 
 
-class _Laps:
-    """Attributes wall time to named parts: `lap(part)` gives `part` the time since the last lap (so the parts add
-    up to the wall, whatever runs between laps)."""
-
-    def __init__(self, wall: dict):
-        self.wall, self.t = wall, time.perf_counter()
-
-    def lap(self, part: str) -> float:
-        """Seconds since the last lap, given to `part`."""
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        self.wall[part] = self.wall.get(part, 0.0) + dt
-        return dt
-
-
 @torch.no_grad()
 def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: Callable[[], Policy], *,
                  retention: float, max_concurrent: int | None = None, pool=None, keep_logits: bool = False,
@@ -169,7 +154,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     place_stream = torch.cuda.Stream(dev, priority=-100) if overlap is not None else None
     waiting_for_room = False  # a prefilled stream the pool could not take yet
     warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
-    laps = _Laps(stats.wall_s)
+    laps = Laps(stats.wall_s)
     stats.started_at = laps.t
     while True:
         # 1. The running streams' next step, launched: the admission work below runs on the host meanwhile.

@@ -351,10 +351,11 @@ class Stream:
     def result(self) -> DecodeResult:
         store, prompt = self.store, self.prompt
         store.check()
-        trace = dict(gpu_audio_tokens=[s.n_gpu for s in store.steps], h2d_bytes=[s.h2d_bytes for s in store.steps],
+        steps = store.steps  # (read once: a packed store reads them from the device)
+        trace = dict(gpu_audio_tokens=[s.n_gpu for s in steps], h2d_bytes=[s.h2d_bytes for s in steps],
                      n_audio=prompt.n_audio, n_full=store.n_full,
                      n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **self.policy.trace())
-        return DecodeResult(self.tokens, self.terminated, self.step_ms, self.prefill_ms, store.summary(), trace,
+        return DecodeResult(self.tokens, self.terminated, self.step_ms, self.prefill_ms, store.summary(steps), trace,
                             self.kept if self.keep_logits else None, self.policy.knobs())
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from wnw_exp.backbones.layer import decoder_layer, rotate_half
+from wnw_exp.kv.base import upload
 from wnw_exp.kv.packed import BatchLayout
 from wnw_exp.methods.base import Policy
 
@@ -246,8 +247,8 @@ class BatchedFusedStep:
         for b, st in enumerate(streams):
             self.cos[b, : st.cos.shape[0]], self.sin[b, : st.sin.shape[0]] = st.cos, st.sin
         pad = C - len(streams)
-        self.tok.copy_(torch.tensor([[st.tokens[-1]] for st in streams] + [[0]] * pad))
-        self.t.copy_(torch.tensor([st.index for st in streams] + [0] * pad))
+        upload(self.tok, torch.tensor([[st.tokens[-1]] for st in streams] + [[0]] * pad))  # (no host wait)
+        upload(self.t, torch.tensor([st.index for st in streams] + [0] * pad))
         # per-stream hooks (their launches name each stream's tensors: such a step is made for one composition)
         self.hooks_before = [st for st in streams if type(st.policy).before_attention is not Policy.before_attention]
         self.observe: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]

@@ -116,9 +116,9 @@ class KVStore(Protocol):
     def end_step(self) -> StepRecord:
         """Close a decode step's accounting."""
 
-    def summary(self) -> dict:
+    def summary(self, steps: list[StepRecord] | None = None) -> dict:
         """r_GPU, r_GPU+CPU (mean over decode steps and at the end), r_GPU's peak over the steps, MB/step, physical
-        bytes held."""
+        bytes held (`steps`: the store's `steps`, where the caller has them)."""
 
 
 class TiersPerHead:
@@ -165,12 +165,12 @@ class StepAccounting:
         """N_full^audio = L * H_kv * N_audio."""
         return self.n_layers * self.n_kv_heads * self.n_audio
 
-    def summary(self) -> dict:
+    def summary(self, steps: list[StepRecord] | None = None) -> dict:
         """r_GPU and r_GPU+CPU as the mean over decode steps and at the end, r_GPU's peak over the steps (what a
         pool sized by the retention must hold: the methods promise it stays at or under the target), MB/step, bytes
-        held."""
+        held. `steps`: the store's `steps` where the caller has read them already (a packed store's is a host read)."""
         full = max(self.n_full, 1)
-        steps = self.steps or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
+        steps = (self.steps if steps is None else steps) or [StepRecord(self.n_gpu(), self.n_gpu_cpu(), 0)]
         return dict(
             r_gpu=sum(s.n_gpu for s in steps) / len(steps) / full,
             r_gpu_max=max(s.n_gpu for s in steps) / full,

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, to_device
+from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, to_device, upload
 from wnw_exp.kv.pool import KVPool, PoolFull
 
 
@@ -403,7 +403,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
                 return False
             p = len(self._pages)
             self._pages.append(got)
-            self.dense_table[:, p] = torch.tensor([e.start for e in got], dtype=torch.int32)
+            upload(self.dense_table[:, p], torch.tensor([e.start for e in got], dtype=torch.int32))  # (no host wait)
         return True
 
     @property
@@ -747,9 +747,10 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     @property
     def steps(self) -> list[StepRecord]:
-        n = int(self._n_rec)
-        n_gpu = self._rec_n_gpu[:n].tolist()
-        rows = self._rec_rows[:n].tolist()
+        # one host read (each waits for the device): the count and both records, whole, cut here
+        host = torch.cat([self._n_rec.view(1), self._rec_n_gpu, self._rec_rows]).tolist()
+        n, m = host[0], len(self._rec_n_gpu)
+        n_gpu, rows = host[1: 1 + n], host[1 + m: 1 + m + n]
         row_bytes = self.head_dim * 2 * torch.finfo(self.dtype).bits // 8
         union = self.n_gpu_cpu()
         return [StepRecord(g, union, (r - (rows[i - 1] if i else 0)) * row_bytes) for i, (g, r) in enumerate(zip(n_gpu, rows))]
@@ -871,7 +872,7 @@ class BatchLayout:
         off = np.zeros((L, C, H), np.int64)
         for b, lay in enumerate(layouts):
             off[:, b] = lay.audio_off
-        self.audio_off.copy_(torch.from_numpy(off))
+        upload(self.audio_off, torch.from_numpy(off))
         keys = [max(lay.dense_rows_max + int(lay.caps[li].max()) for lay in layouts) for li in range(L)]
         self.max_keys = [-(-k // round_keys) * round_keys for k in keys]
         self.stores = list(stores)

@@ -718,8 +718,12 @@ class WnW(Policy):
 
     def trace(self) -> dict:
         if self.on_device:  # the decisions recorded on the device, as the host swap lists them
-            n = int(self._t)
-            rec = {k: v[:n].cpu() for k, v in self._rec.items()}
+            # one host read (each waits for the device): the step count and every record, whole, cut here
+            flat = torch.cat([self._t.view(1).long()] + [v.reshape(-1).long() for v in self._rec.values()]).cpu()
+            n, at, rec = int(flat[0]), 1, {}
+            for k, v in self._rec.items():
+                rec[k] = flat[at: at + v.numel()].view(v.shape)[:n].to(v.dtype)
+                at += v.numel()
             lists = _row_lists
             resident = rec["resident"].tolist()
             n_seg = self.device_swap.n_seg

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from wnw_exp.kv.base import to_device
 from wnw_exp.methods.scoring import top_masks
 
 ANCHOR, TIDAL, FIXED = "anchor", "tidal", "fixed"
@@ -621,13 +622,13 @@ class DeviceChunkSwap:
         host = ChunkSwap(n_audio, n_s, n_c, top_k, delta)
         self.n_seg, self.n_chunks = len(host.segments), len(host.chunks)
         self.k, self.delta = min(top_k, self.n_chunks), delta
-        self.starts = torch.as_tensor(host._starts, device=device)
-        self.ends = torch.as_tensor(host._ends, device=device)
+        self.starts = to_device(host._starts, device)  # (from pinned memory: no wait for a step in flight)
+        self.ends = to_device(host._ends, device)
         self.length = (self.ends - self.starts).double()
         member = np.zeros((self.n_chunks, self.n_seg), bool)  # chunk -> segments
         for c, segs in enumerate(host.chunk_segments):
             member[c, segs] = True
-        self.member = torch.as_tensor(member, device=device)
+        self.member = to_device(member, device)
         self.recalled = torch.zeros(self.n_seg, dtype=torch.bool, device=device)
         self.unselected = torch.zeros(self.n_seg, dtype=torch.long, device=device)
         self._c = torch.zeros(n_audio + 1, dtype=torch.float64, device=device)

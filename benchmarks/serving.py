@@ -59,6 +59,7 @@ import decode_speed as ds  # noqa: E402  (the model shapes, the benchmark backbo
 
 TOKENS_PER_AUDIO_SECOND = 3.0  # a transcript's length: about 3 tokens per second of speech
 METHODS = ("full", "wnw", "adakv", "arkvale", "wnw_recall_off")  # the last one runs after the graph rows
+WARMUP_REQUESTS, WARMUP_TOKENS = 8, 32  # a scenario's warm-up before its clock (`scenario`)
 
 
 def target(method: str, retention: float) -> float:
@@ -96,7 +97,8 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None,
-             arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None) -> dict:
+             arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None,
+             warmup: bool = True) -> dict:
     from wnw_exp.engine.serve import BatchStats, Request, decode_batch, default_pool
     from wnw_exp.kv.pool import KVPool
 
@@ -105,6 +107,21 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     template.check(r)
     pool = (default_pool(bb, budget_gb, host_gb=host_gb, cpu_tier=template.cpu_tier)  # (pinned before the clock)
             or KVPool.of_bytes(budget_gb * 1e9, bb.head_dim, bb.dtype, bb.device))
+    # Warm-up before the clock, as a server starts: WARMUP_REQUESTS short requests through the same pool and path
+    # (an overlapped prefill, a placement, steps of a few batch sizes), so that kernels compile here, not in the
+    # run (a Triton kernel's first launch in a process compiles it or loads it from the on-disk cache: seconds).
+    # The run still captures its own graphs (reported: steps_capture).
+    ds._sync()
+    t_warm = time.perf_counter()
+    if warmup:
+        warm = [Request(f"warm{i}", prompt, c, c) for i, c in enumerate(min(c, WARMUP_TOKENS)
+                                                                           for c in caps[:WARMUP_REQUESTS])]
+        for _, res in decode_batch(bb, warm, template.fork, retention=r, pool=pool, prefill_chunk_layers=chunk_layers,
+                                   overlap_prefill=overlap, **path):
+            if isinstance(res, Exception):
+                raise res
+        ds._sync()
+    warmup_s = time.perf_counter() - t_warm
     stats = BatchStats()
     ds._sync()
     t0 = time.perf_counter()
@@ -149,7 +166,8 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 host_arena_gb=pool.stats()["host_arena_bytes"] / 1e9,
                 host_arena_peak_gb=pool.stats()["host_arena_peak_bytes"] / 1e9,
                 host_pinned_outside=pool.stats()["host_pinned_outside"],
-                preempted=len(stats.preempted), expected_new_tokens=expected,
+                preempted=len(stats.preempted), expected_new_tokens=expected, warmup_s=warmup_s,
+                gc_s=stats.gc_s, gc_passes=stats.gc_passes, gc_max_ms=stats.gc_max_ms,
                 arrivals="poisson" if any(arrivals) else "burst", arrival_span_s=max(arrivals),
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
                 path={k: v for k, v in path.items()})
@@ -460,6 +478,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "(comma-separated) at the first of --lengths: time against the compute floor, top kernels")
     ap.add_argument("--ablate", default="", help="--profile only, a diagnostic: parts of the work after each step "
                     f"left out (comma-separated: {', '.join(ABLATIONS)}); the answers are then wrong")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time each scenario from a cold start (its kernels compile inside the run)")
     ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -558,7 +578,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         arrivals = poisson_arrivals(n_req, a.arrival_rate, seed=1)
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
                                                          a.prefill_chunk_layers, job_path, mean, arrivals,
-                                                         False if a.no_overlap_prefill else None, a.kv_host_gb)),
+                                                         False if a.no_overlap_prefill else None, a.kv_host_gb,
+                                                         not a.no_warmup)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

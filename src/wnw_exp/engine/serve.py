@@ -9,6 +9,7 @@ it with one request.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -80,6 +81,27 @@ class BatchStats:
     wall_s: dict = field(default_factory=dict)
     # the admissions' placements: host seconds by part (`engine.decode.PLACE_PARTS`), summed over the streams
     place_s: dict = field(default_factory=dict)
+    # the garbage collector's passes while `decode_batch` ran (within whichever part of `wall_s` they fell in)
+    gc_s: float = 0.0
+    gc_passes: int = 0
+    gc_max_ms: float = 0.0
+
+
+class GcTimer:
+    """A `gc.callbacks` entry adding each collector pass's wall time to a `BatchStats` (`gc_s`, `gc_passes`,
+    `gc_max_ms`): a pass over many live objects can stall the loop as long as a decode step."""
+
+    def __init__(self, stats: BatchStats):
+        self.stats, self.t0 = stats, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        elif self.t0 is not None:
+            dt, self.t0 = time.perf_counter() - self.t0, None
+            self.stats.gc_s += dt
+            self.stats.gc_passes += 1
+            self.stats.gc_max_ms = max(self.stats.gc_max_ms, dt * 1e3)
 
 
 # The parts of `decode_batch`'s wall time (`BatchStats.wall_s`), in the order a request meets them:
@@ -156,141 +178,149 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
     laps = Laps(stats.wall_s)
     stats.started_at = laps.t
-    while True:
-        # 1. The running streams' next step, launched: the admission work below runs on the host meanwhile.
-        collect = None
-        if active:
-            laps.lap("loop")
-            preempted, failed_growth = _grow_dense(active)
-            for st in preempted:  # newest first (their memory is free already): the oldest ends up first in the queue
-                stats.preempted.append(st.key)
-                queue.appendleft(st.request)
-            laps.lap("grow")
-            for st, e in failed_growth:
-                _leave(st)
-                laps.lap("finish")
-                yield st.key, e
-                laps.lap("caller")
-            if preempted or failed_growth:
-                _recompose(batched)
-                waiting_for_room = False
+    gc_timer = GcTimer(stats)
+    gc.callbacks.append(gc_timer)
+    try:
+        while True:
+            # 1. The running streams' next step, launched: the admission work below runs on the host meanwhile.
+            collect = None
             if active:
                 laps.lap("loop")
-                try:
-                    collect = step_streams(backbone, active, batched, side, keep_logits, warmed)
-                except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
-                    laps.lap("step")
-                    for st in active:
-                        _leave(st)
-                        laps.lap("finish")
-                        yield st.key, e
-                        laps.lap("caller")
-                    active, batched, waiting_for_room = [], {}, False
-                    continue
-                launch_s = laps.lap("step")
-        # 2. Admission: the next request's set-up, a chunk of its prefill, its placement; it joins after the step.
-        joining = None
-        if admitting is None and (queue or arriving is not None or not exhausted) and len(active) < limit:
-            req = queue.popleft() if queue else None
-            if req is None:
-                if arriving is None:
-                    arriving = next(pending, None)
-                    exhausted = arriving is None
-                if arriving is not None:
-                    due = stats.started_at + arriving.arrival_s
-                    if not active and time.perf_counter() < due:  # nothing to do until it arrives
-                        laps.lap("loop")
-                        time.sleep(max(0.0, due - time.perf_counter()))
-                        laps.lap("wait")
-                    if time.perf_counter() >= due:
-                        req, arriving = arriving, None
-            if req is not None:
-                laps.lap("loop")
-                try:
-                    policy = make_policy()
-                    path = decode_path(dev, policy, store, fused, graph, kernels)
-                    st = Stream(backbone, req.prompt, policy, retention=retention, max_new_tokens=req.max_new_tokens,
-                                path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
-                                key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens),
-                                overlap=overlap if active else None, place_stream=place_stream)
-                    st.request = req
-                    admitting = (st, st.prefill_layers())
-                    laps.lap("setup")
-                except Exception as e:  # noqa: BLE001 - one request's failure is its own
-                    laps.lap("setup")
-                    yield req.key, e
-                    laps.lap("caller")
-                    req = None
-        if admitting is not None:
-            st, layers = admitting
-            try:
-                laps.lap("loop")
-                done_layers, ran = _advance(layers, prefill_chunk_layers)
-                dt = laps.lap("prefill")
-                if active and ran:
-                    stats.prefill_ms_between_steps.append(dt * 1e3)
-                if done_layers and not active and not st.prefill_ready():  # nothing to decode meanwhile
-                    st.wait_prefill()
-                if done_layers and not waiting_for_room and st.prefill_ready():
-                    joined = _admit(st, active, stats)
-                    laps.lap("place")
-                    waiting_for_room = joined is None  # retried once a stream has left
-                    stats.room_waits += waiting_for_room
-                    if joined is not None:
-                        admitting = None
-                        stats.first_token_at.setdefault(st.key, st.emitted_at[0])
-                        if joined:
-                            joining = st
-                        else:  # its first token ended it
-                            result = st.result()
-                            _leave(st)
-                            laps.lap("finish")
-                            yield st.key, result
-                            laps.lap("caller")
-            except Exception as e:  # noqa: BLE001
-                admitting = None
-                _leave(st)
-                laps.lap("finish")
-                yield st.key, e
-                laps.lap("caller")
-        # 3. The step's tokens: emitted, finished streams leave; then the admitted stream joins.
-        if collect is not None:
-            laps.lap("loop")
-            tokens, logits = collect()
-            ms = (launch_s + laps.lap("step")) * 1e3  # its launch and the wait for it (the host work between apart)
-            stats.step_at.append(laps.t)
-            stats.batch_sizes.append(len(active))
-            stats.step_ms.append(ms)
-            stats.step_kinds.append(batched["runner"].last if "runner" in batched else "eager")
-            stats.step_build_ms.append(batched.pop("build_ms", 0.0))
-            stats.step_after_ms.append(batched.pop("after_ms", 0.0))
-            failed = {}
-            for b, st in enumerate(active):
-                if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
-                    failed[id(st)] = tokens[b]
-                    st.done = True
-                    continue
-                st.step_ms.append(ms)
-                st.emit(tokens[b], logits[b] if logits is not None else None)
-            laps.lap("emit")
-            if any(st.done for st in active):
-                for st in [st for st in active if st.done]:
-                    stats.emitted_at[st.key] = st.emitted_at
-                    result = failed.get(id(st)) or st.result()
+                preempted, failed_growth = _grow_dense(active)
+                # newest first (their memory is free already): the oldest ends up first in the queue
+                for st in preempted:
+                    stats.preempted.append(st.key)
+                    queue.appendleft(st.request)
+                laps.lap("grow")
+                for st, e in failed_growth:
                     _leave(st)
                     laps.lap("finish")
-                    yield st.key, result
+                    yield st.key, e
                     laps.lap("caller")
-                active = [st for st in active if not st.done]
+                if preempted or failed_growth:
+                    _recompose(batched)
+                    waiting_for_room = False
+                if active:
+                    laps.lap("loop")
+                    try:
+                        collect = step_streams(backbone, active, batched, side, keep_logits, warmed)
+                    except Exception as e:  # noqa: BLE001 - a failed step fails the streams it ran
+                        laps.lap("step")
+                        for st in active:
+                            _leave(st)
+                            laps.lap("finish")
+                            yield st.key, e
+                            laps.lap("caller")
+                        active, batched, waiting_for_room = [], {}, False
+                        continue
+                    launch_s = laps.lap("step")
+            # 2. Admission: the next request's set-up, a chunk of its prefill, its placement; it joins after the step.
+            joining = None
+            if admitting is None and (queue or arriving is not None or not exhausted) and len(active) < limit:
+                req = queue.popleft() if queue else None
+                if req is None:
+                    if arriving is None:
+                        arriving = next(pending, None)
+                        exhausted = arriving is None
+                    if arriving is not None:
+                        due = stats.started_at + arriving.arrival_s
+                        if not active and time.perf_counter() < due:  # nothing to do until it arrives
+                            laps.lap("loop")
+                            time.sleep(max(0.0, due - time.perf_counter()))
+                            laps.lap("wait")
+                        if time.perf_counter() >= due:
+                            req, arriving = arriving, None
+                if req is not None:
+                    laps.lap("loop")
+                    try:
+                        policy = make_policy()
+                        path = decode_path(dev, policy, store, fused, graph, kernels)
+                        st = Stream(backbone, req.prompt, policy, retention=retention,
+                                    max_new_tokens=req.max_new_tokens,
+                                    path=path, keep_logits=keep_logits, pool=pool if path.store == "packed" else None,
+                                    key=req.key, expected_new_tokens=expected_new_tokens(req, reserve_tokens),
+                                    overlap=overlap if active else None, place_stream=place_stream)
+                        st.request = req
+                        admitting = (st, st.prefill_layers())
+                        laps.lap("setup")
+                    except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                        laps.lap("setup")
+                        yield req.key, e
+                        laps.lap("caller")
+                        req = None
+            if admitting is not None:
+                st, layers = admitting
+                try:
+                    laps.lap("loop")
+                    done_layers, ran = _advance(layers, prefill_chunk_layers)
+                    dt = laps.lap("prefill")
+                    if active and ran:
+                        stats.prefill_ms_between_steps.append(dt * 1e3)
+                    if done_layers and not active and not st.prefill_ready():  # nothing to decode meanwhile
+                        st.wait_prefill()
+                    if done_layers and not waiting_for_room and st.prefill_ready():
+                        joined = _admit(st, active, stats)
+                        laps.lap("place")
+                        waiting_for_room = joined is None  # retried once a stream has left
+                        stats.room_waits += waiting_for_room
+                        if joined is not None:
+                            admitting = None
+                            stats.first_token_at.setdefault(st.key, st.emitted_at[0])
+                            if joined:
+                                joining = st
+                            else:  # its first token ended it
+                                result = st.result()
+                                _leave(st)
+                                laps.lap("finish")
+                                yield st.key, result
+                                laps.lap("caller")
+                except Exception as e:  # noqa: BLE001
+                    admitting = None
+                    _leave(st)
+                    laps.lap("finish")
+                    yield st.key, e
+                    laps.lap("caller")
+            # 3. The step's tokens: emitted, finished streams leave; then the admitted stream joins.
+            if collect is not None:
+                laps.lap("loop")
+                tokens, logits = collect()
+                ms = (launch_s + laps.lap("step")) * 1e3  # its launch and the wait for it (the host work between apart)
+                stats.step_at.append(laps.t)
+                stats.batch_sizes.append(len(active))
+                stats.step_ms.append(ms)
+                stats.step_kinds.append(batched["runner"].last if "runner" in batched else "eager")
+                stats.step_build_ms.append(batched.pop("build_ms", 0.0))
+                stats.step_after_ms.append(batched.pop("after_ms", 0.0))
+                failed = {}
+                for b, st in enumerate(active):
+                    if isinstance(tokens[b], Exception):  # its own step failed (a stream stepping on its own)
+                        failed[id(st)] = tokens[b]
+                        st.done = True
+                        continue
+                    st.step_ms.append(ms)
+                    st.emit(tokens[b], logits[b] if logits is not None else None)
+                laps.lap("emit")
+                if any(st.done for st in active):
+                    for st in [st for st in active if st.done]:
+                        stats.emitted_at[st.key] = st.emitted_at
+                        result = failed.get(id(st)) or st.result()
+                        _leave(st)
+                        laps.lap("finish")
+                        yield st.key, result
+                        laps.lap("caller")
+                    active = [st for st in active if not st.done]
+                    _recompose(batched)
+                    waiting_for_room = False
+            if joining is not None:
+                stats.joined_at[joining.key] = len(stats.batch_sizes)
+                active.append(joining)
                 _recompose(batched)
-                waiting_for_room = False
-        if joining is not None:
-            stats.joined_at[joining.key] = len(stats.batch_sizes)
-            active.append(joining)
-            _recompose(batched)
-        if not active and admitting is None and arriving is None and exhausted and not queue:
-            laps.lap("loop")
-            return
+            if not active and admitting is None and arriving is None and exhausted and not queue:
+                laps.lap("loop")
+                return
+
+    finally:
+        gc.callbacks.remove(gc_timer)
 
 
 def _recompose(batched: dict) -> None:

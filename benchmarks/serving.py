@@ -98,7 +98,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None,
              arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None,
-             warmup: bool = True) -> dict:
+             warmup: bool = True, freeze_gc: bool = True) -> dict:
     from wnw_exp.engine.serve import BatchStats, Request, decode_batch, default_pool
     from wnw_exp.kv.pool import KVPool
 
@@ -130,7 +130,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     arrivals = arrivals if arrivals is not None else [0.0] * len(caps)
     requests = [Request(i, prompt, c, expected, arrival_s=a) for i, (c, a) in enumerate(zip(caps, arrivals))]
     for key, res in decode_batch(bb, requests, template.fork, retention=r, pool=pool, prefill_chunk_layers=chunk_layers,
-                                 stats=stats, overlap_prefill=overlap, **path):
+                                 stats=stats, overlap_prefill=overlap, freeze_gc=freeze_gc, **path):
         if isinstance(res, Exception):
             raise res
         results[key] = res
@@ -167,7 +167,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 host_arena_peak_gb=pool.stats()["host_arena_peak_bytes"] / 1e9,
                 host_pinned_outside=pool.stats()["host_pinned_outside"],
                 preempted=len(stats.preempted), expected_new_tokens=expected, warmup_s=warmup_s,
-                gc_s=stats.gc_s, gc_passes=stats.gc_passes, gc_max_ms=stats.gc_max_ms,
+                gc_s=stats.gc_s, gc_passes=stats.gc_passes, gc_max_ms=stats.gc_max_ms, gc_frozen=freeze_gc,
                 arrivals="poisson" if any(arrivals) else "burst", arrival_span_s=max(arrivals),
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
                 path={k: v for k, v in path.items()})
@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"left out (comma-separated: {', '.join(ABLATIONS)}); the answers are then wrong")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time each scenario from a cold start (its kernels compile inside the run)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="let the garbage collector's passes scan every object (decode_batch's freeze_gc=False)")
     ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -579,7 +581,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
                                                          a.prefill_chunk_layers, job_path, mean, arrivals,
                                                          False if a.no_overlap_prefill else None, a.kv_host_gb,
-                                                         not a.no_warmup)),
+                                                         not a.no_warmup, not a.no_gc_freeze)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

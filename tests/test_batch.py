@@ -350,6 +350,35 @@ def test_arrivals_are_waited_for_and_every_wall_second_has_one_part():
     assert sum(stats.place_s.values()) <= stats.wall_s["place"]
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_collector_is_timed_and_frozen_only_while_the_loop_runs(freeze):
+    """`decode_batch` times every pass of the garbage collector made while it runs (the caller's between yields
+    too) and, with `freeze_gc`, keeps the objects alive at its start out of the passes until it ends (nothing stays
+    frozen after it); the results do not change."""
+    import gc
+
+    bb = _backbone("voxtral")
+    path = dict(store="packed", fused=True, kernels="torch")
+    prompts = _prompts(bb, (8.0, 6.0))
+    solo = [generate(bb, p, _policy("full", bb), retention=1.0, max_new_tokens=4, **path) for p in prompts]
+    base = gc.get_freeze_count()
+    stats, frozen, got = BatchStats(), [], {}
+    for key, res in decode_batch(bb, [Request(i, p, 4) for i, p in enumerate(prompts)], _policy("full", bb).fork,
+                                 retention=1.0, pool=KVPool(100_000, bb.head_dim, bb.dtype, bb.device), stats=stats,
+                                 freeze_gc=freeze, **path):
+        got[key] = res
+        frozen.append(gc.get_freeze_count())
+        gc.collect()  # a full pass, timed
+    assert gc.get_freeze_count() == base
+    assert all(n > base for n in frozen) if freeze else all(n == base for n in frozen)
+    assert stats.gc_passes >= 2 and stats.gc_s > 0 and 0 < stats.gc_max_ms <= stats.gc_s * 1e3
+    assert [got[i].tokens for i in range(2)] == [a.tokens for a in solo]
+    gc.collect()
+    passes = stats.gc_passes
+    gc.collect()  # after the loop ended: no longer counted
+    assert stats.gc_passes == passes
+
+
 @pytest.mark.parametrize("method,host", [("full", False), ("adakv", False), ("wnw", True), ("arkvale", True)])
 @torch.no_grad()
 def test_only_a_method_with_a_cpu_tier_keeps_a_host_mirror(method, host):

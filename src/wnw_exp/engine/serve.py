@@ -87,12 +87,31 @@ class BatchStats:
     gc_max_ms: float = 0.0
 
 
-class GcTimer:
-    """A `gc.callbacks` entry adding each collector pass's wall time to a `BatchStats` (`gc_s`, `gc_passes`,
-    `gc_max_ms`): a pass over many live objects can stall the loop as long as a decode step."""
+class GcWatch:
+    """While `decode_batch` runs (`start` ... `stop`): each pass of Python's garbage collector timed into a
+    `BatchStats` (`gc_s`, `gc_passes`, `gc_max_ms`: a full pass over the millions of objects a process with a model
+    holds stalls the loop longer than a decode step), and with `freeze` the objects alive at the start (the model,
+    the imported modules: most of them) left out of the passes (`gc.freeze`, as vLLM does after its warm-up; undone
+    at the stop, when the last of nested calls stops: nothing is kept from being collected after it)."""
 
-    def __init__(self, stats: BatchStats):
-        self.stats, self.t0 = stats, None
+    frozen = 0  # calls running with the collector's objects frozen
+
+    def __init__(self, stats: BatchStats, freeze: bool):
+        self.stats, self.freeze, self.t0 = stats, freeze, None
+
+    def start(self) -> None:
+        gc.callbacks.append(self)
+        if self.freeze:
+            if GcWatch.frozen == 0:
+                gc.freeze()
+            GcWatch.frozen += 1
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self)
+        if self.freeze:
+            GcWatch.frozen -= 1
+            if GcWatch.frozen == 0:
+                gc.unfreeze()
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -124,7 +143,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                  store: str = "auto", fused: bool | None = None, graph: bool | None = None, kernels: str = "auto",
                  prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
                  reserve_tokens: int | float | None = None,
-                 overlap_prefill: bool | None = None) -> Iterator[tuple[object, DecodeResult | Exception]]:
+                 overlap_prefill: bool | None = None,
+                 freeze_gc: bool = True) -> Iterator[tuple[object, DecodeResult | Exception]]:
     """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
     (or (key, exception) for one that failed), in the order they finish.
 
@@ -155,6 +175,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     batch-size bucket seats each new composition in place and replays the graph the bucket captured before
     (`engine.decode.step_streams`); otherwise one graph per composition is captured after `WARM_STEPS` eager steps
     (at its first step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
+    With `freeze_gc` the objects alive when it starts stay out of the garbage collector's passes until it ends
+    (`GcWatch`); `stats.gc_s` times the passes either way.
     """
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
@@ -178,8 +200,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
     laps = Laps(stats.wall_s)
     stats.started_at = laps.t
-    gc_timer = GcTimer(stats)
-    gc.callbacks.append(gc_timer)
+    gc_watch = GcWatch(stats, freeze_gc)
+    gc_watch.start()
     try:
         while True:
             # 1. The running streams' next step, launched: the admission work below runs on the host meanwhile.
@@ -320,7 +342,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 return
 
     finally:
-        gc.callbacks.remove(gc_timer)
+        gc_watch.stop()
 
 
 def _recompose(batched: dict) -> None:

@@ -25,7 +25,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from wnw_exp.paths import conf_dir
+
 
 
 def margin(logits: torch.Tensor) -> float:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from wnw_exp.engine.runner import ENGINE_PATHS, _prompt
     from wnw_exp.methods import build_policy
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
     device = resolve_device(cfg["device"])
     dtype = resolve_dtype(cfg["dtype"], device)

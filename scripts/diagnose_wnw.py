@@ -25,7 +25,8 @@ import json
 import sys
 from pathlib import Path
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from wnw_exp.paths import conf_dir
+
 TEST_SET = ["model=whisper_smollm2", "dataset=synthetic", "dataset.text=natural", "dataset.n=20",
             "dataset.min_seconds=60", "dataset.max_seconds=180", "method=wnw", "retention=0.2", "device=cpu",
             "dtype=float32"]
@@ -35,7 +36,7 @@ def compose(overrides: list[str]) -> dict:
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return OmegaConf.to_container(hydra_compose("config", overrides=TEST_SET + overrides), resolve=True)
 
 

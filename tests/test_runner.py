@@ -45,7 +45,7 @@ def test_run_writes_the_run_directory(tmp_path):
     assert {"wnw_exp", "git_commit", "torch", "transformers", "device"} <= env.keys()
 
 
-def test_resume_skips_finished_samples_and_recomputes_a_torn_line(tmp_path):
+def test_resume_skips_finished_samples_and_recomputes_a_torn_line(tmp_path, monkeypatch):
     cfg = config(tmp_path, "dataset.n=3")
     run_dir = tmp_path / "run"
     run({**cfg, "dataset": {**cfg["dataset"], "n": 1}}, run_dir, progress=False)
@@ -58,6 +58,17 @@ def test_resume_skips_finished_samples_and_recomputes_a_torn_line(tmp_path):
     ids = [json.loads(x)["id"] for x in lines]
     assert ids == ["synthetic-test-0", "synthetic-test-1", "synthetic-test-2"]
     assert lines[0] + "\n" == first  # the finished sample was not recomputed
+    sessions = json.loads((run_dir / "environment.json").read_text())["sessions"]
+    assert [x["samples_before"] for x in sessions] == [0, 1]  # the two sessions that computed samples
+    # a finished run re-run: metrics again, no model loaded, no session added
+    import wnw_exp.engine.runner as runner
+
+    def no_model(*a, **k):
+        raise AssertionError("a finished run loaded a model")
+
+    monkeypatch.setattr(runner, "load_backbone", no_model)
+    assert run(cfg, run_dir, progress=False) == metrics
+    assert len(json.loads((run_dir / "environment.json").read_text())["sessions"]) == 2
     assert metrics["n_samples"] == 3
     # re-running the same command is a no-op
     run(cfg, run_dir, progress=False)

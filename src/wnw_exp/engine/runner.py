@@ -126,6 +126,16 @@ def environment(device: torch.device) -> dict:
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
 
 
+def write_environment(run_dir: Path, env: dict, n_done: int) -> None:
+    """environment.json: this session's environment at the top level, and under `sessions` every session that
+    computed samples in the directory, oldest first, each with the count of predictions already there when it
+    started (`samples_before`): a run resumed under another commit or device says which samples came from which."""
+    path = run_dir / "environment.json"
+    before = json.loads(path.read_text()) if path.exists() else None
+    sessions = [] if before is None else before.get("sessions", [{k: v for k, v in before.items()}])
+    path.write_text(json.dumps(dict(env, sessions=[*sessions, dict(env, samples_before=n_done)]), indent=2) + "\n")
+
+
 def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:
     """Run (or resume) the experiment `cfg` into `run_dir`; returns metrics.json's content.
 
@@ -153,7 +163,8 @@ def _run_locked(cfg: dict, run_dir: Path, progress: bool, stop: _StopOnSignal) -
         log.info(f"{n_done} of {len(selected)} samples already done")
     interrupted = None
     try:
-        _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress, stop)
+        if any(i not in done for i in selected):  # (a finished run is re-aggregated: no model is loaded)
+            _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done, progress, stop)
     except Interrupted as e:
         stop.holding = True  # a second signal must not cut metrics.json short
         interrupted = e
@@ -178,7 +189,7 @@ def _run_missing(cfg, run_dir, device, dtype, identity, dataset, selected, done,
         policy = MismatchRecorder(policy)
     elif cfg.get("analysis") is not None:
         raise ValueError(f"unknown analysis {cfg['analysis']!r}: use analysis=mismatch or leave it null")
-    (run_dir / "environment.json").write_text(json.dumps(environment(device), indent=2) + "\n")
+    write_environment(run_dir, environment(device), n_done=len(done))
     write_identity(run_dir, identity)  # what the samples below are computed under
 
     bar = tqdm(total=len(selected), initial=sum(i in done for i in selected),

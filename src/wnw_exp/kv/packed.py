@@ -694,8 +694,12 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self.dense_v[layer].index_copy_(1, self.dense_len, v_new[:, None])
 
     def dense_keys(self, layer: int) -> torch.Tensor:
-        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE; a host read of the length)."""
-        return self._dense(layer)[0][:, : int(self.dense_len)]
+        """(H_kv, n, D) the layer's non-audio keys so far (after RoPE), cut at the host's count of them (`_dense_n`:
+        no wait for the device; exact on eager steps, which is where a policy that reads them runs, it being
+        not graph-safe)."""
+        if _capturing():
+            raise RuntimeError("dense_keys: the host's count of the dense keys does not follow graph replays")
+        return self._dense(layer)[0][:, : self._dense_n]
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
                observe: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,7 +41,7 @@ class Oracle(Policy):
     label, color, marker, role = "Oracle (bound)", "0.45", "x", "bound"
     variants = (("Oracle, top tokens (bound)", (("granularity", "token"),), ":"),
                 ("Oracle, top 4 s blocks (bound)", (("granularity", "chunk"),), "-."))
-    graph_safe = False  # its ranking reads the dense part's length from the device, layer by layer
+    graph_safe = False  # its ranking cuts the dense keys at the host's count of them (`dense_keys`)
     cpu_tier = True
 
     granularity: str = "token"

@@ -955,6 +955,33 @@ def test_serving_profile_rows_smoke(tmp_path):
         assert x["step_ms_p50"] > 0 and x["step_ms_wall_p50"] > 0  # timed without, then with the profiler
 
 
+def test_serving_scenario_warms_up_outside_its_clock(tmp_path):
+    """serving.py's throughput rows: the warm-up runs before the clock (its time apart from the wall, the run's
+    requests and tokens only the scenario's), every wall second in one part, the collector's passes counted; with
+    --no-warmup none runs."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    rows = {}
+    for flag in ([], ["--no-warmup", "--no-gc-freeze"]):
+        out = tmp_path / f"serving{len(flag)}.json"
+        r = subprocess.run([sys.executable, str(root / "benchmarks/serving.py"), "--smoke", "--methods", "full,wnw",
+                            "--out", str(out), *flag], capture_output=True, text=True, timeout=240, cwd=root)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[bool(flag)] = [x for x in json.loads(out.read_text()) if x["kind"] == "throughput"]
+    for cold, got in rows.items():
+        assert [x["method"] for x in got] == ["full", "wnw"]
+        for x in got:
+            assert "error" not in x and x["finished"] == x["requests"]
+            assert x["tokens"] > 0
+            parts = sum(v for k, v in x.items() if k.startswith("wall_s_"))
+            assert parts == pytest.approx(x["wall_s"], rel=0.05, abs=0.01)
+            assert x["gc_frozen"] is (not cold) and x["gc_passes"] >= 0 and x["gc_s"] >= 0
+            assert (x["warmup_s"] < 0.05) if cold else (x["warmup_s"] > 0)
+    # the same requests and answers whether warmed or not: the warm-up left nothing behind in the run
+    assert [x["tokens"] for x in rows[False]] == [x["tokens"] for x in rows[True]]
+
+
 def test_serving_ablations_patch_and_restore():
     """serving.py's --ablate diagnostic: each part replaces what it names while the row runs, and everything is put
     back after it (the next row runs the real code); an unknown part is refused with the choices."""

@@ -58,9 +58,9 @@ def test_resume_skips_finished_samples_and_recomputes_a_torn_line(tmp_path, monk
     ids = [json.loads(x)["id"] for x in lines]
     assert ids == ["synthetic-test-0", "synthetic-test-1", "synthetic-test-2"]
     assert lines[0] + "\n" == first  # the finished sample was not recomputed
-    sessions = json.loads((run_dir / "environment.json").read_text())["sessions"]
-    assert [x["samples_before"] for x in sessions] == [0, 1]  # the two sessions that computed samples
-    # a finished run re-run: metrics again, no model loaded, no session added
+    history = json.loads((run_dir / "environment.json").read_text())["history"]
+    assert [x["samples_before"] for x in history] == [0, 1]  # the two wnw-runs that computed samples
+    # a finished run re-run: metrics again, no model loaded, nothing added to the history
     import wnw_exp.engine.runner as runner
 
     def no_model(*a, **k):
@@ -68,7 +68,7 @@ def test_resume_skips_finished_samples_and_recomputes_a_torn_line(tmp_path, monk
 
     monkeypatch.setattr(runner, "load_backbone", no_model)
     assert run(cfg, run_dir, progress=False) == metrics
-    assert len(json.loads((run_dir / "environment.json").read_text())["sessions"]) == 2
+    assert len(json.loads((run_dir / "environment.json").read_text())["history"]) == 2
     assert metrics["n_samples"] == 3
     # re-running the same command is a no-op
     run(cfg, run_dir, progress=False)

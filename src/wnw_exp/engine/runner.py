@@ -127,13 +127,14 @@ def environment(device: torch.device) -> dict:
 
 
 def write_environment(run_dir: Path, env: dict, n_done: int) -> None:
-    """environment.json: this session's environment at the top level, and under `sessions` every session that
-    computed samples in the directory, oldest first, each with the count of predictions already there when it
-    started (`samples_before`): a run resumed under another commit or device says which samples came from which."""
+    """environment.json: the environment computing samples now at the top level, and under `history` every
+    `wnw-run` that computed samples in the directory, oldest first, each with the count of predictions already
+    there when it started (`samples_before`): a run resumed under another commit or device says which samples came
+    from which."""
     path = run_dir / "environment.json"
     before = json.loads(path.read_text()) if path.exists() else None
-    sessions = [] if before is None else before.get("sessions", [{k: v for k, v in before.items()}])
-    path.write_text(json.dumps(dict(env, sessions=[*sessions, dict(env, samples_before=n_done)]), indent=2) + "\n")
+    history = [] if before is None else before.get("history", [before])
+    path.write_text(json.dumps(dict(env, history=[*history, dict(env, samples_before=n_done)]), indent=2) + "\n")
 
 
 def run(cfg: dict, run_dir: Path, progress: bool = True) -> dict:

@@ -88,25 +88,26 @@ class BatchStats:
 
 
 class GcWatch:
-    """While `decode_batch` runs (`start` ... `stop`): each pass of Python's garbage collector timed into a
-    `BatchStats` (`gc_s`, `gc_passes`, `gc_max_ms`: a full pass over the millions of objects a process with a model
-    holds stalls the loop longer than a decode step), and with `freeze` the objects alive at the start (the model,
-    the imported modules: most of them) left out of the passes (`gc.freeze`, as vLLM does after its warm-up; undone
-    at the stop, when the last of nested calls stops: nothing is kept from being collected after it)."""
+    """While `decode_batch` runs (a context): each pass of Python's garbage collector timed into a `BatchStats`
+    (`gc_s`, `gc_passes`, `gc_max_ms`: a full pass over every object of a process that holds a model can stall the
+    loop longer than a decode step), and with `freeze` the objects alive at the start (the model, the imported
+    modules: most of them) left out of the passes (`gc.freeze`, as vLLM does after its warm-up; undone at the exit
+    of the last of nested calls: nothing is kept from being collected after it)."""
 
     frozen = 0  # calls running with the collector's objects frozen
 
     def __init__(self, stats: BatchStats, freeze: bool):
         self.stats, self.freeze, self.t0 = stats, freeze, None
 
-    def start(self) -> None:
+    def __enter__(self) -> "GcWatch":
         gc.callbacks.append(self)
         if self.freeze:
             if GcWatch.frozen == 0:
                 gc.freeze()
             GcWatch.frozen += 1
+        return self
 
-    def stop(self) -> None:
+    def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self)
         if self.freeze:
             GcWatch.frozen -= 1
@@ -200,9 +201,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     warmed: set = set()  # batch shapes whose kernels have run: a new composition of one is captured at once
     laps = Laps(stats.wall_s)
     stats.started_at = laps.t
-    gc_watch = GcWatch(stats, freeze_gc)
-    gc_watch.start()
-    try:
+    with GcWatch(stats, freeze_gc):
         while True:
             # 1. The running streams' next step, launched: the admission work below runs on the host meanwhile.
             collect = None
@@ -340,9 +339,6 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
             if not active and admitting is None and arriving is None and exhausted and not queue:
                 laps.lap("loop")
                 return
-
-    finally:
-        gc_watch.stop()
 
 
 def _recompose(batched: dict) -> None:

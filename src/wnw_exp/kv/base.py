@@ -31,6 +31,18 @@ def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torc
     return t.to(device)
 
 
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Several device tensors of integers or booleans on the host in one copy (each read of its own would wait for
+    the device), each in its own shape and dtype."""
+    assert not any(t.is_floating_point() for t in tensors), "to_host carries integers and booleans (through int64)"
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]).cpu()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at: at + t.numel()].view(t.shape).to(t.dtype))
+        at += t.numel()
+    return out
+
+
 def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)` from a host tensor with no host wait, as `to_device` (a launch table rewritten in place)."""
     if dst.is_cuda:

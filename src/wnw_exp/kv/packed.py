@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, to_device, upload
+from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, to_device, to_host, upload
 from wnw_exp.kv.pool import KVPool, PoolFull
 
 
@@ -301,15 +301,13 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         # one host read (each would wait for the device): the deferred checks, each row's resident count, which rows
         # hold a host tier (heads that never recall, anchors and fixed ones, need no room) and the union's size
         pending, self._pending_checks = self._pending_checks, None
-        parts = [self.n_resident.long(), self.on_host.any(dim=1).long(),
-                 (self.slot_of >= 0).logical_or(self.on_host).sum().view(1)]
+        reads = [self.n_resident, self.on_host.any(dim=1), (self.slot_of >= 0).logical_or(self.on_host).sum()]
         if pending is not None:
-            parts.append(pending.long())
-        host = torch.cat(parts).cpu().numpy()
+            reads.append(pending)
+        n_res, recallable, union, *bad = (x.numpy() for x in to_host(*reads))
         if pending is not None:
-            self._raise_bad(host[-3:].astype(bool))
-        m = self.n_rows
-        n_res, recallable, union = host[:m], host[m:2 * m].astype(bool), int(host[2 * m])
+            self._raise_bad(bad[0])
+        union = int(union)
         new_caps = np.minimum(self.n_audio, n_res + np.where(recallable, headroom, 0))
         if self.pool is not None:
             self._into_pool(new_caps, reserve_blocks)
@@ -751,10 +749,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     @property
     def steps(self) -> list[StepRecord]:
-        # one host read (each waits for the device): the count and both records, whole, cut here
-        host = torch.cat([self._n_rec.view(1), self._rec_n_gpu, self._rec_rows]).tolist()
-        n, m = host[0], len(self._rec_n_gpu)
-        n_gpu, rows = host[1: 1 + n], host[1 + m: 1 + m + n]
+        n, n_gpu, rows = to_host(self._n_rec, self._rec_n_gpu, self._rec_rows)  # (one host read)
+        n_gpu, rows = n_gpu[: int(n)].tolist(), rows[: int(n)].tolist()
         row_bytes = self.head_dim * 2 * torch.finfo(self.dtype).bits // 8
         union = self.n_gpu_cpu()
         return [StepRecord(g, union, (r - (rows[i - 1] if i else 0)) * row_bytes) for i, (g, r) in enumerate(zip(n_gpu, rows))]

@@ -107,7 +107,7 @@ import torch
 
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScores, resolve_head_scores
-from wnw_exp.kv.base import KVStore, to_device
+from wnw_exp.kv.base import KVStore, to_device, to_host
 from wnw_exp.kv.packed import queue_segments_stores
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
@@ -718,12 +718,8 @@ class WnW(Policy):
 
     def trace(self) -> dict:
         if self.on_device:  # the decisions recorded on the device, as the host swap lists them
-            # one host read (each waits for the device): the step count and every record, whole, cut here
-            flat = torch.cat([self._t.view(1).long()] + [v.reshape(-1).long() for v in self._rec.values()]).cpu()
-            n, at, rec = int(flat[0]), 1, {}
-            for k, v in self._rec.items():
-                rec[k] = flat[at: at + v.numel()].view(v.shape)[:n].to(v.dtype)
-                at += v.numel()
+            n, *recs = to_host(self._t, *self._rec.values())  # (one host read)
+            rec = {k: r[: int(n)] for k, r in zip(self._rec, recs)}
             lists = _row_lists
             resident = rec["resident"].tolist()
             n_seg = self.device_swap.n_seg

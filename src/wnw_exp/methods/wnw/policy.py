@@ -153,7 +153,7 @@ class WnW(Policy):
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
                  top_k: int = 3, delta: int = 3, recall_budget: str = "peak", mobility: float | str = "auto",
                  quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance", lag: int = 1,
-                 fixed_window: int = 0, backbone_info: dict | None = None, scores=None):
+                 fixed_window: int = 0, max_recalled: int = 0, backbone_info: dict | None = None, scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
         if lag not in (1, 2):
             raise ValueError(f"method.lag={lag!r}: 1 (a decision after step s is in force at s + 1) or 2 (pipelined)")
@@ -194,6 +194,13 @@ class WnW(Policy):
             raise ValueError(f"method.fixed_window={fixed_window} needs method.recall_budget=peak and method.lag=1 "
                              "(its room is budgeted per step)")
         self.fixed_window = fixed_window
+        least = self.top_k * max(1, math.ceil(round(self.chunk_seconds / self.stride_seconds, 9)))
+        if (isinstance(max_recalled, bool) or not isinstance(max_recalled, int) or max_recalled < 0
+                or 0 < max_recalled < least):
+            raise ValueError(f"method.max_recalled={max_recalled!r}: 0 (no cap, the paper) or a number of segments "
+                             f">= {least} (one step's selection: top_k={self.top_k} chunks of "
+                             f"{least // self.top_k} segments)")
+        self.max_recalled = max_recalled
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         self._triage_cache: dict[float, tuple] = {}
@@ -255,7 +262,7 @@ class WnW(Policy):
         self._check_chunks(ctx.token_rate)
         vars(self).update(self._solution(ctx))
         n_a = ctx.n_audio
-        self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta)
+        self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, self.max_recalled)
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self._offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._unread: list[tuple[int, list[int], torch.Tensor]] = []  # placed layers whose masks `offloaded` reads
@@ -273,7 +280,8 @@ class WnW(Policy):
         self.on_device = bool(store.queues_moves) and self.has_anchors and bool(self.swap.chunks)
         if self.on_device:
             dev, n_steps = ctx.device, store.dense_capacity + 2  # every decision of the sample (prefill's included)
-            self.device_swap = triage.DeviceChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, dev)
+            self.device_swap = triage.DeviceChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, dev,
+                                                      self.max_recalled)
             n_seg, n_ch = self.device_swap.n_seg, self.device_swap.n_chunks
             self._t = torch.zeros((), dtype=torch.long, device=dev)  # decisions made so far
             self._rec = dict(selected=torch.zeros(n_steps, n_ch, dtype=torch.bool, device=dev),
@@ -292,6 +300,9 @@ class WnW(Policy):
                 if store.kernels == "triton":
                     warnings.warn("WnW: method.fixed_window runs the chunk swap with the PyTorch kernels (the "
                                   "one-launch Triton swap has no window)", stacklevel=2)
+            elif store.kernels == "triton" and self.max_recalled:
+                warnings.warn("WnW: method.max_recalled runs the chunk swap with the PyTorch kernels (the one-launch "
+                              "Triton swap has no cap)", stacklevel=2)
             elif store.kernels == "triton":
                 from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
 
@@ -307,7 +318,7 @@ class WnW(Policy):
         key = (ctx.n_audio, ctx.retention, ctx.token_rate, ctx.group, mobility, self.importance.tobytes(),
                self.n_voice_cfg, self.n_anchor_cfg, self.lam_cfg, self.tolerance, self.signal, self.selection,
                self.chunk_seconds, self.stride_seconds, self.top_k, self.delta, self.recall_budget, self.quota,
-               self.head_scale, self.fixed_window)
+               self.head_scale, self.fixed_window, self.max_recalled)
         solution = self._solutions.get(key)
         if solution is None:
             solution = self._solutions[key] = self._solve(ctx, *mobility)
@@ -320,7 +331,7 @@ class WnW(Policy):
         roles, s_tilde, n_voice, n_anchor = self.triage_for(ctx.retention)
         n_c, n_s = triage.swap_sizes(ctx.token_rate, self.chunk_seconds, self.stride_seconds)
         # Segments a tidal head may hold recalled at once (see `recall_headroom`).
-        peak_segments = triage.peak_recalled_segments(ctx.n_audio, n_s, n_c, self.top_k, self.delta)
+        peak_segments = triage.peak_recalled_segments(ctx.n_audio, n_s, n_c, self.top_k, self.delta, self.max_recalled)
         n_a = ctx.n_audio
         # `fixed_window`: a fixed head holds its window's segments, and on a store that releases lazily the window it
         # left for one more step: room for twice the window (capped at the segment count)
@@ -331,7 +342,8 @@ class WnW(Policy):
                                         self.selection, self.quota, window_room)
         n_demoted = int((self.triage_for(ctx.retention)[0] == triage.TIDAL).sum() - (roles == triage.TIDAL).sum())
         if self.recall_budget != "none":
-            expected_resident = triage.expected_resident_segments(n_a, n_s, n_c, self.top_k, self.delta, mobility)
+            expected_resident = triage.expected_resident_segments(n_a, n_s, n_c, self.top_k, self.delta, mobility,
+                                                                  self.max_recalled)
         else:
             expected_resident = 0.0
         n_seg = math.ceil(n_a / n_s) if n_a else 1
@@ -714,7 +726,8 @@ class WnW(Policy):
                     head_scale=self.head_scale,
                     head_scores=self.scores.path, **({"lag": self.lag} if self.lag != 1 else {}),
                     **({"fixed_window": self.fixed_window, "n_window": int(self.window.sum())}
-                       if self.fixed_window else {}))
+                       if self.fixed_window else {}),
+                    **({"max_recalled": self.max_recalled} if self.max_recalled else {}))
 
     def trace(self) -> dict:
         if self.on_device:  # the decisions recorded on the device, as the host swap lists them

@@ -186,7 +186,8 @@ def prefill_r_gpu(ret: np.ndarray, roles: np.ndarray, n_audio: int, n_s: int, qu
     return kept / (np.size(roles) * n_audio)
 
 
-def resident_segment_bounds(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int) -> tuple[int, int]:
+def resident_segment_bounds(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int,
+                            max_recalled: int = 0) -> tuple[int, int]:
     """(fewest, most) segments the chunk swap can hold recalled at a decode step, in steady state.
 
     A chunk spans w = ceil(n_c / n_s) consecutive segments (chunks start every n_s tokens, on segment
@@ -196,8 +197,9 @@ def resident_segment_bounds(n_audio: int, n_s: int, n_c: int, top_k: int, delta:
     - fewest: attention that never moves and k adjacent chunks, whose union is k + w - 1 segments;
     - most: every step selects k chunks that share no segment with each other or with the other selections
       of the window, delta * k * w segments.
-    Both are capped at the number of segments; when every chunk is selected at every step (k = number of
-    chunks) every segment is recalled and the two coincide.
+    Both are capped at the number of segments, and the most at `max_recalled` (> 0: the swap's cap, `ChunkSwap`);
+    when every chunk is selected at every step (k = number of chunks) every segment is recalled and the two
+    coincide.
     """
     if n_audio <= 0:
         return 0, 0
@@ -207,17 +209,26 @@ def resident_segment_bounds(n_audio: int, n_s: int, n_c: int, top_k: int, delta:
     if k == n_chunks:
         return n_seg, n_seg
     w = max(1, math.ceil(n_c / n_s))
-    return min(n_seg, k + w - 1), min(n_seg, delta * k * w)
+    most = min(n_seg, delta * k * w, max_recalled or n_seg)
+    return min(most, k + w - 1), most
 
 
-def peak_recalled_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int) -> int:
+def smallest_recall_cap(top_k: int, n_c: int, n_s: int) -> int:
+    """The least `max_recalled` a chunk swap can have: one step's selection, top_k chunks of ceil(n_c / n_s)
+    segments each, must fit (a step never releases what it selects)."""
+    return top_k * max(1, math.ceil(n_c / n_s))
+
+
+def peak_recalled_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, max_recalled: int = 0) -> int:
     """The most segments a tidal head can hold recalled at once on a store that applies releases lazily.
 
     After the decision of step s the recalled set is the union of the last `delta` selections (at most
     `resident_segment_bounds`' delta * k * w segments); but a store that queues releases until its next flush
     (PackedAudioKVStore) still holds the segments released by that decision while the ones it recalls are
     queued, i.e. the union of the selections of steps s - delta .. s: at most (delta + 1) * k * w segments,
-    capped at the number of segments (all of them when every chunk is selected at every step).
+    capped at the number of segments (all of them when every chunk is selected at every step). With a cap
+    `max_recalled` (> 0, `ChunkSwap`) the swap holds at most that many after a decision, and the store at most the
+    cap plus one selection's k * w segments while a flush is pending.
     """
     if n_audio <= 0:
         return 0
@@ -227,10 +238,14 @@ def peak_recalled_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: 
     if k == n_chunks:
         return n_seg
     w = max(1, math.ceil(n_c / n_s))
-    return min(n_seg, (delta + 1) * k * w)
+    most = (delta + 1) * k * w
+    if max_recalled:
+        most = min(most, max_recalled + k * w)
+    return min(n_seg, most)
 
 
-def expected_resident_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, mobility: float) -> float:
+def expected_resident_segments(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, mobility: float,
+                               max_recalled: int = 0) -> float:
     """Expected number of recalled segments at a decode step: fewest + mobility * (most - fewest) of
     `resident_segment_bounds`. `mobility` in [0, 1] says how fast the anchors' attention moves between
     chunks: 0 = it stays on one run of adjacent chunks, 1 = every step brings k chunks disjoint from
@@ -238,7 +253,7 @@ def expected_resident_segments(n_audio: int, n_s: int, n_c: int, top_k: int, del
     not modelled (a few steps out of the hundreds a long clip decodes)."""
     if not 0 <= mobility <= 1:
         raise ValueError(f"mobility={mobility} is outside [0, 1]")
-    lo, hi = resident_segment_bounds(n_audio, n_s, n_c, top_k, delta)
+    lo, hi = resident_segment_bounds(n_audio, n_s, n_c, top_k, delta, max_recalled)
     return lo + mobility * (hi - lo)
 
 
@@ -557,13 +572,24 @@ class ChunkSwap:
     (belonging to a selected chunk and not recalled yet) and the segments to release (recalled, and in
     no selected chunk for `delta` consecutive steps). State is per segment and shared by all tidal heads,
     which all follow the same anchor signal.
+
+    `max_recalled` > 0 (`method.max_recalled`, beyond the paper; 0 is the paper) caps the segments recalled after a
+    decision: where the rule above leaves more, the idle recalled segments (in no selected chunk) go early, the
+    longest unselected first, ties to the least mean attention of this step's A over the segment, then the
+    earlier segment. The cap must hold one step's selection (`smallest_recall_cap`).
     """
 
-    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int = 3, delta: int = 3):
+    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int = 3, delta: int = 3, max_recalled: int = 0):
         self.segments = segment_bounds(n_audio, n_s) if n_audio else []
         self.chunks = chunk_bounds(n_audio, n_c, n_s)
         self.chunk_segments = [list(range(cs // n_s, (ce - 1) // n_s + 1)) for cs, ce in self.chunks]
         self.top_k, self.delta = top_k, delta
+        if max_recalled and max_recalled < (least := smallest_recall_cap(top_k, n_c, n_s)):
+            raise ValueError(f"method.max_recalled={max_recalled}: one step selects up to {least} segments "
+                             f"(top_k={top_k} chunks of {math.ceil(n_c / n_s)} segments); use 0 (no cap) or >= {least}")
+        self.max_recalled = int(max_recalled)
+        self._seg_starts = np.array([s for s, _ in self.segments], np.int64)
+        self._seg_ends = np.array([e for _, e in self.segments], np.int64)
         self.recalled = np.zeros(len(self.segments), dtype=bool)
         self.unselected = np.zeros(len(self.segments), dtype=np.int64)
         self._starts = np.array([s for s, _ in self.chunks], np.int64)
@@ -591,10 +617,19 @@ class ChunkSwap:
         idle = self.recalled.copy()
         idle[wanted] = False
         self.unselected[idle] += 1
-        release = np.flatnonzero(idle & (self.unselected >= self.delta)).tolist()
+        release = idle & (self.unselected >= self.delta)
         self.recalled[release] = False
         self.unselected[release] = 0
-        return recall, release
+        excess = int(np.count_nonzero(self.recalled)) - self.max_recalled if self.max_recalled else 0
+        if excess > 0:  # the cap: the idle segments longest unselected go first, then the least attended
+            idle = np.flatnonzero(self.recalled & ~np.isin(np.arange(len(self.recalled)), wanted))
+            c = self._c
+            mean = (c[self._seg_ends[idle]] - c[self._seg_starts[idle]]) / (self._seg_ends[idle] - self._seg_starts[idle])
+            early = idle[np.lexsort((mean, -self.unselected[idle]))[:excess]]
+            release[early] = True
+            self.recalled[early] = False
+            self.unselected[early] = 0
+        return recall, np.flatnonzero(release).tolist()
 
     def step(self, a: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
         if not self.chunks:
@@ -618,10 +653,15 @@ class DeviceChunkSwap:
     which can only matter for chunks whose means tie to the last bit.)
     """
 
-    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, device: torch.device):
-        host = ChunkSwap(n_audio, n_s, n_c, top_k, delta)
+    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, device: torch.device,
+                 max_recalled: int = 0):
+        host = ChunkSwap(n_audio, n_s, n_c, top_k, delta, max_recalled)
         self.n_seg, self.n_chunks = len(host.segments), len(host.chunks)
-        self.k, self.delta = min(top_k, self.n_chunks), delta
+        self.k, self.delta, self.max_recalled = min(top_k, self.n_chunks), delta, host.max_recalled
+        if self.max_recalled:
+            self.seg_starts, self.seg_ends = to_device(host._seg_starts, device), to_device(host._seg_ends, device)
+            self.seg_length = (self.seg_ends - self.seg_starts).double()
+            self.seg_index = torch.arange(self.n_seg, device=device)
         self.starts = to_device(host._starts, device)  # (from pinned memory: no wait for a step in flight)
         self.ends = to_device(host._ends, device)
         self.length = (self.ends - self.starts).double()
@@ -647,4 +687,15 @@ class DeviceChunkSwap:
         release = idle & (self.unselected >= self.delta)
         self.recalled &= ~release
         self.unselected.masked_fill_(release, 0)
+        if self.max_recalled:  # the cap (`ChunkSwap`): the same order, from two stable sorts, no host read
+            excess = self.recalled.sum() - self.max_recalled
+            mean = (self._c[self.seg_ends] - self._c[self.seg_starts]) / self.seg_length
+            by_mean = torch.sort(mean, stable=True).indices
+            key = torch.where(self.recalled & ~wanted, self.unselected, -1)[by_mean]
+            order = by_mean[torch.sort(-key, stable=True).indices]
+            early = torch.zeros_like(release).index_copy_(0, order, self.seg_index < excess)
+            early &= self.recalled & ~wanted
+            release |= early
+            self.recalled &= ~early
+            self.unselected.masked_fill_(early, 0)
         return selected, recall, release

@@ -468,6 +468,8 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
         section(results, f"{p}/engine_arkvale_r{r}",
                 lambda: engine_row(bb, prompt, a.policy_steps, method("arkvale"), r), out)
         section(results, f"{p}/engine_wnw_r{r}", lambda: engine_row(bb, prompt, a.steps, wnw(), r), out)
+        for label, kw in wnw_variants(a.wnw_variant):
+            section(results, f"{p}/engine_wnw_r{r}_{label}", lambda: engine_row(bb, prompt, a.steps, wnw(**kw), r), out)
         section(results, f"{p}/engine_wnw_r{r}_pipelined", lambda: engine_row(bb, prompt, a.steps, wnw(lag=2), r), out)
         section(results, f"{p}/engine_wnw_r{r}_recall_off",
                 lambda: engine_row(bb, prompt, a.steps, wnw(recall=False), r), out)
@@ -489,6 +491,23 @@ def bench_model(results: dict, name: str, a, out: Path | None, tmp: Path, first:
     gc.collect()
     if _cuda():
         torch.cuda.empty_cache()
+
+
+def wnw_variants(specs: list[str]) -> list[tuple[str, dict]]:
+    """`--wnw-variant` values ('max_recalled=6', 'max_recalled=6,top_k=2'): (row label, WnW keyword arguments)."""
+    out = []
+    for spec in specs:
+        kw = {}
+        for item in spec.split(","):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--wnw-variant {spec!r}: write KEY=VALUE[,KEY=VALUE] (WnW's method.* options)")
+            try:
+                kw[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                kw[key.strip()] = value
+        out.append((spec.replace("=", "").replace(",", "_"), kw))
+    return out
 
 
 def targets(results: dict, model: str, n_audio: int, r: float) -> dict:
@@ -544,6 +563,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--long-only", action="store_true",
                     help="--gpu-check without its lead shape (voxtral at 3,000): the 12,000-token and Qwen rows only")
     ap.add_argument("--profile", type=int, default=0, help="steps of a torch.profiler row for WnW and ArkVale (0: none)")
+    ap.add_argument("--wnw-variant", action="append", default=[],
+                    help="a further WnW row with these method options, KEY=VALUE[,KEY=VALUE] (repeatable), e.g. "
+                         "max_recalled=6")
     ap.add_argument("--kernels", choices=("triton", "torch"), default="torch",
                     help="--smoke: the fused step's kernels on the CPU (triton: Triton's interpreter)")
     a = ap.parse_args(argv)

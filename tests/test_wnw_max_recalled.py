@@ -1,8 +1,8 @@
 """`method.max_recalled`: a cap on the segments the chunk swap holds recalled, paid for in the peak lambda solve.
 
 Checked against a reference written here as plain loops (the paper's swap, then the early releases one segment at a
-time), independently of `ChunkSwap`'s arrays; the device swap against the host one; the peak bound and the packed
-store's room with the cap; the knob's validation and the Triton store's fallback.
+time), independently of `ChunkSwap`'s arrays; the device swap and the one-launch Triton swap against the host one; the peak bound and the
+packed store's room with the cap; the knob's validation.
 """
 
 import functools
@@ -184,14 +184,57 @@ def test_packed_store_holds_what_the_reference_holds_within_the_capped_room():
             store.end_step()
 
 
-def test_triton_store_falls_back_to_the_pytorch_swap():
+def _needs_triton_interpreter():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (optional `gpu` extra)")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported without TRITON_INTERPRET=1")
-    with pytest.warns(UserWarning, match="method.max_recalled runs the chunk swap with the PyTorch kernels"):
-        policy, store = _setup(functools.partial(PackedAudioKVStore, kernels="triton"), cap=4)
-    assert policy.on_device and policy._fused_swap is None
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta,cap", CASES[:3])
+def test_one_launch_swap_applies_the_cap_as_the_host_one(n_audio, n_s, n_c, top_k, delta, cap):
+    """The Triton decision (Triton's interpreter on the CPU), two streams in one launch, one with the cap and one
+    without: each gives its host swap's chunks, recalls and releases at every step."""
+    _needs_triton_interpreter()
+    from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables, FusedChunkSwap
+
+    steps, hosts, parts = 30, [], []
+    for c in (cap, 0):
+        hosts.append(triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta, max_recalled=c))
+        dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, torch.device("cpu"), max_recalled=c)
+        records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool),
+                       recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
+                       release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
+                       resident=torch.zeros(steps + 2, dtype=torch.long))
+        parts.append((FusedChunkSwap(dev, records, torch.zeros((), dtype=torch.long), n_s, n_c, top_k, delta),
+                      torch.zeros(n_audio)))
+    tables = ChunkSwapTables(parts, torch.device("cpu"))
+    for step, a in enumerate(_inputs(n_audio, steps, seed=3 * n_audio + cap)):
+        for _, scores in parts:
+            scores.copy_(a)
+        tables.decide()
+        for host, (fused, scores) in zip(hosts, parts):
+            selected, recall, release = host.step(a.clone())
+            assert fused.selected.nonzero().flatten().tolist() == selected, step
+            assert fused.recall.nonzero().flatten().tolist() == recall, step
+            assert fused.release.nonzero().flatten().tolist() == release, step
+            assert fused.swap.recalled.numpy().tolist() == host.recalled.tolist()
+            assert int(fused.records["resident"][step]) == int(host.recalled.sum()) and not scores.any()
+
+
+def test_triton_store_holds_what_the_reference_holds():
+    _needs_triton_interpreter()
+    policy, store = _setup(functools.partial(PackedAudioKVStore, kernels="triton"), cap=4)
+    assert policy.on_device and policy._fused_swap is not None
+    ref_policy, ref = _setup(AudioKVStore, cap=4)
+    for s in range(8):
+        _step(policy, s)
+        _step(ref_policy, s)
+        store.flush()
+        store.end_step()
+        ref.end_step()
+        for h in [(0, 1), (1, 0), (1, 1)]:
+            assert _positions(store, *h) == _positions(ref, *h), (s, h)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "6", True, 5])

@@ -300,9 +300,6 @@ class WnW(Policy):
                 if store.kernels == "triton":
                     warnings.warn("WnW: method.fixed_window runs the chunk swap with the PyTorch kernels (the "
                                   "one-launch Triton swap has no window)", stacklevel=2)
-            elif store.kernels == "triton" and self.max_recalled:
-                warnings.warn("WnW: method.max_recalled runs the chunk swap with the PyTorch kernels (the one-launch "
-                              "Triton swap has no cap)", stacklevel=2)
             elif store.kernels == "triton":
                 from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
 

@@ -10,7 +10,9 @@ store queues the moves they ask for (`kv.packed.queue_segments_stores`). Each pr
    divides by the chunk's length: the chunk means;
 2. picks the top_k chunks, one argmax at a time, ties to the earlier chunk (the host's stable sort);
 3. runs the segment state machine: a segment is wanted when a selected chunk covers it; recall = wanted and not
-   recalled; a recalled segment no chosen chunk covers for `delta` consecutive steps is released;
+   recalled; a recalled segment no chosen chunk covers for `delta` consecutive steps is released; with a cap
+   (`max_recalled` > 0) the idle segments over it go too, longest unselected first, then the least mean score over
+   the segment (a direct float64 sum, as the chunks'), then the earlier segment;
 4. writes the masks (selected, recall, release) and, at the stream's decision counter t, its records (the masks and
    the number of recalled segments), increments t and zeroes the scores for the next step.
 
@@ -29,13 +31,13 @@ from wnw_exp.kv.triton_moves import AddressRows, table_field
 
 # The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses), then its sizes.
 (_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
- _DELTA) = (tl.constexpr(j) for j in range(16))
-NF = 16  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
+ _DELTA, _CAP) = (tl.constexpr(j) for j in range(17))
+NF = 17  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
 _NF = tl.constexpr(NF)
 
 
 @triton.jit
-def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr):
+def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.constexpr, E_MAX: tl.constexpr):
     st = tl.program_id(0)
     if tl.load(tbl + st * _NF + _N) > 0:  # (a row of a table made for more streams than it holds: nothing)
         a_ptr, rec_ptr = table_field(tbl, st, _A, tl.float32, _NF), table_field(tbl, st, _RECALLED, tl.int8, _NF)
@@ -87,6 +89,26 @@ def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.
         release = idle & (unsel >= delta)
         recalled = recalled & ~release
         unsel = tl.where(release, 0, unsel)
+        cap = tl.load(tbl + st * _NF + _CAP)
+        if cap > 0:  # `max_recalled`: idle segments go early, longest unselected first, then the least attended
+            seg_start = s.to(tl.int64) * n_s
+            seg_end = tl.minimum(seg_start + n_s, N)
+            seg_total = tl.zeros([S_PAD], tl.float64)
+            for j in range(0, n_s):
+                p = seg_start + j
+                seg_total += tl.load(a_ptr + p, mask=s_ok & (p < seg_end), other=0.0).to(tl.float64)
+            seg_mean = seg_total / tl.maximum(seg_end - seg_start, 1).to(tl.float64)
+            excess = tl.sum(recalled.to(tl.int64), 0) - cap
+            idle = recalled & ~wanted
+            for it in range(0, E_MAX):  # at most one selection's segments over the cap (it held <= cap before)
+                most = tl.max(tl.where(idle, unsel, -1), 0)
+                pool = idle & (unsel == most)
+                pick = tl.argmin(tl.where(pool, seg_mean, float("inf")), 0, tie_break_left=True)
+                hit = pool & (s == pick) & (it < excess)
+                release = release | hit
+                recalled = recalled & ~hit
+                idle = idle & ~hit
+                unsel = tl.where(hit, 0, unsel)
         tl.store(rec_ptr + s, recalled.to(tl.int8), mask=s_ok)
         tl.store(unsel_ptr + s, unsel, mask=s_ok)
         tl.store(sel_ptr + c, selected.to(tl.int8), mask=c_ok)
@@ -126,7 +148,9 @@ class ChunkSwapTables:
         """The kernel's compile-time bounds for `parts`: chunks, segments (powers of two) and top_k."""
         return dict(C_PAD=max(16, triton.next_power_of_2(max((f.swap.n_chunks for f, _ in parts), default=1))),
                     S_PAD=max(16, triton.next_power_of_2(max((f.swap.n_seg for f, _ in parts), default=1))),
-                    K_MAX=max(1, max((f.top_k for f, _ in parts), default=1)))
+                    K_MAX=max(1, max((f.top_k for f, _ in parts), default=1)),
+                    E_MAX=max(1, max((f.top_k * triton.cdiv(f.n_c, f.n_s) if f.max_recalled else 1
+                                      for f, _ in parts), default=1)))
 
     def bind(self, parts: list) -> bool:
         """Rewrite the table for `parts` (outside a graph capture); False (nothing changed) where they do not fit."""
@@ -141,7 +165,8 @@ class ChunkSwapTables:
             ts = [scores, sw.recalled, sw.unselected, fused.selected, fused.recall, fused.release, fused.t,
                   r["selected"], r["recall"], r["release"], r["resident"]]
             keep += ts
-            rows.append([x.data_ptr() for x in ts] + [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta])
+            rows.append([x.data_ptr() for x in ts] + [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta,
+                                                      fused.max_recalled])
         self.table.write(rows, keep)
         self.key = self.key_of(parts)
         return True
@@ -165,6 +190,7 @@ class FusedChunkSwap:
         dev = swap.recalled.device
         self.swap, self.records, self.t = swap, records, t
         self.n_s, self.n_c, self.top_k, self.delta = n_s, n_c, top_k, delta
+        self.max_recalled = swap.max_recalled
         self.n_audio = swap._c.shape[0] - 1
         # the kernel derives the segment and chunk counts (its record widths) from n_audio, n_s and n_c
         assert swap.n_seg == triton.cdiv(self.n_audio, n_s)

@@ -67,18 +67,22 @@ def target(method: str, retention: float) -> float:
     says `uses_retention = False`: Full Cache), else `retention` (the benchmark's own WnW variants included)."""
     from wnw_exp.methods import registered_methods
 
-    cls = registered_methods().get(method)
+    cls = registered_methods().get(method.split(":")[0])
     return 1.0 if cls is not None and not cls.uses_retention else retention
 
 
 def policy_for(method: str, info: dict, scores: Path, n_audio: int, n_new: int):
-    """The real method (or WnW with the scripted anchor attention), before any sample: forked per stream."""
+    """The real method (or WnW with the scripted anchor attention), before any sample: forked per stream. A name may
+    carry method options after a colon, joined by `+` (the method lists are comma-separated):
+    `wnw:max_recalled=6`, `wnw:max_recalled=6+top_k=2`."""
     from wnw_exp.methods import build_policy
 
+    method, _, spec = method.partition(":")
+    kw = ds.wnw_variants([spec.replace("+", ",")])[0][1] if spec else {}
     if method.startswith("wnw"):
         speed = n_audio / max(n_new, 1)
-        return ds.scripted_wnw(info, scores, n_audio, n_new + 2, speed, 0.9, recall=method == "wnw")
-    return build_policy(dict(name=method), info)
+        return ds.scripted_wnw(info, scores, n_audio, n_new + 2, speed, 0.9, recall=method == "wnw", **kw)
+    return build_policy(dict(name=method, **kw), info)
 
 
 def lengths(n: int, mean: int, seed: int = 0) -> list[int]:
@@ -468,7 +472,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--bs1-tokens", type=int, default=32, help="answer length of the batch-size-1 latency rows")
     ap.add_argument("--graph-methods", default="wnw,full",
                     help="--gpu: after every scenario ran without CUDA graphs, these again with one graph per batch "
-                         "composition ('' for none)")
+                         "composition ('' for none); a name may carry method options: wnw:max_recalled=6")
     ap.add_argument("--profile", default="",
                     help="--gpu: instead of the scenarios, profile rows 'method:streams:audio[:graph][:-part+part]', "
                          "comma-separated (e.g. wnw:33:3000:graph,wnw:33:3000:graph:-copy,adakv:35:3000); the parts "

@@ -1010,6 +1010,25 @@ def test_serving_ablations_patch_and_restore():
         serving.ablated("everything")
 
 
+def test_serving_method_names_carry_options(tmp_path):
+    """serving.py's method names may carry method options (`wnw:max_recalled=6+top_k=2`): the policy gets them, the
+    row's target retention is its method's, and a name without options is the method's defaults."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/serving.py"
+    spec = importlib.util.spec_from_file_location("serving_bench", path)
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    info = dict(name="tiny_random_weights", n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=16,
+                token_rate=serving.ds.TOKEN_RATE)
+    scores = serving.ds.synthetic_head_scores(info, tmp_path / "scores.json")
+    capped = serving.policy_for("wnw:max_recalled=6+top_k=2", info, scores, 200, 8)
+    plain = serving.policy_for("wnw", info, scores, 200, 8)
+    assert (capped.max_recalled, capped.top_k) == (6, 2) and (plain.max_recalled, plain.top_k) == (0, 3)
+    assert serving.policy_for("adakv:window_size=4", info, scores, 200, 8).window_size == 4
+    assert serving.target("wnw:max_recalled=6", 0.2) == 0.2 and serving.target("full", 0.2) == 1.0
+
+
 def test_serving_benchmark_smoke(tmp_path):
     """benchmarks/serving.py --smoke: every method's row with the issue's schema, admission within the pool, and
     the 0.2-retention methods holding more streams than Full in the same pool."""

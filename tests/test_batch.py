@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -596,6 +597,18 @@ def test_bad_max_concurrent():
 
 
 # --- the batched Triton kernels --------------------------------------------------------------------------
+def _interpreted_prefill_in_torch(monkeypatch):
+    """Under Triton's interpreter (CPU) the prefill of these decode tests runs `prefill_layer` in its PyTorch kernels:
+    the prefill is not what they test (test_fused_decode checks the Triton prefill layer against transformers'), and
+    interpreted it is most of their time (a program per prompt row and launch). Both sides of every comparison run
+    the same prefill; on CUDA nothing changes."""
+    if not HAS_CUDA:
+        import wnw_exp.engine.decode as decode
+        from wnw_exp.engine.step import prefill_layer
+
+        monkeypatch.setattr(decode, "prefill_layer", functools.partial(prefill_layer, kernels="torch"))
+
+
 def _triton_device():
     if not HAS_TRITON:
         pytest.skip("triton is not installed (optional `gpu` extra)")
@@ -717,6 +730,7 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
     import wnw_exp.kv.packed as packed
 
     dev = _triton_device()
+    _interpreted_prefill_in_torch(monkeypatch)
     flushes = []  # per batched flush: (its stores, their movable rows, the stores' rows its tables flush)
 
     def counted(stores, held=None, launch=True):
@@ -762,6 +776,7 @@ def test_a_bucket_step_and_its_tables_serve_every_composition_that_fits(method, 
     from wnw_exp.engine.step import BatchedFusedStep
 
     dev = _triton_device()
+    _interpreted_prefill_in_torch(monkeypatch)
     made, runners = [], []
     init, runner_init = BatchedFusedStep.__init__, decode.TokenRunner.__init__
     monkeypatch.setattr(BatchedFusedStep, "__init__", lambda self, *a, **k: (made.append(k.get("capacity")),
@@ -772,10 +787,7 @@ def test_a_bucket_step_and_its_tables_serve_every_composition_that_fits(method, 
     bb.model.to(dev)
     path = dict(store="packed", fused=True, kernels="triton")
     pool = KVPool(50_000, bb.head_dim, bb.dtype, dev)
-    caps = (6, 3, 5, 4)
-    # WnW needs clips of several chunks for its swap; Full's bucket path does not look at the audio's length, and
-    # shorter prompts keep its Triton-interpreted prefill short
-    seconds = (8.0, 6.0, 7.0, 6.0) if method == "wnw" else (3.0, 2.0, 2.5, 2.0)
+    caps, seconds = (6, 3, 5, 4), (8.0, 6.0, 7.0, 6.0)
     solo, batched, stats = _solo_and_batched(bb, method, path, pool=pool, caps=caps, seconds=seconds,
                                              max_concurrent=2)
     compositions = 1 + sum(stats.step_build_ms[j] > 0 for j in range(1, len(stats.step_build_ms)))
@@ -796,11 +808,12 @@ def test_bucket_sizes():
     assert all(bucket_for(b) == b for b in BUCKETS)
 
 
-def test_batched_step_in_triton_on_a_paged_pool_with_preemption():
+def test_batched_step_in_triton_on_a_paged_pool_with_preemption(monkeypatch):
     """The whole batched step with its Triton kernels (WnW) on a pool of 4-row blocks with room for the two streams'
     placed KV and one dense page more: a page given mid-answer to the first, the second (the newest) preempted when
     it needs one and restarted alone; both give bs 1's tokens and traces on the same kernels."""
     dev = _triton_device()
+    _interpreted_prefill_in_torch(monkeypatch)
     bb = _backbone("voxtral")
     bb.model.to(dev)
     path = dict(store="packed", fused=True, kernels="triton")

@@ -89,14 +89,21 @@ def test_oracle_refuses_an_unknown_granularity():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_oracle_on_the_packed_store_is_the_reference_stores(kernels):
+def test_oracle_on_the_packed_store_is_the_reference_stores(kernels, monkeypatch):
     """The oracle's decision queued as data (`queue_pages`) on the packed store, the GPU's (on the CPU: the fused
     step with PyTorch kernels, or Triton's interpreter), gives the reference store's tokens and logits, the same
-    resident share at every step and the same recalls."""
+    resident share at every step and the same recalls. (Interpreted, the prefill runs `prefill_layer`'s PyTorch
+    kernels: the decode is under test here, the Triton prefill layer in test_fused_decode.)"""
     if kernels == "triton":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+        import functools
+
+        import wnw_exp.engine.decode as decode
+        from wnw_exp.engine.step import prefill_layer
+
+        monkeypatch.setattr(decode, "prefill_layer", functools.partial(prefill_layer, kernels="torch"))
     backbone = tiny_voxtral()
     backbone.eos_token_ids = [-1]
     prompt = backbone.build_prompt(noise_audio(12.0))

@@ -622,7 +622,7 @@ class ChunkSwap:
         self.unselected[release] = 0
         excess = int(np.count_nonzero(self.recalled)) - self.max_recalled if self.max_recalled else 0
         if excess > 0:  # the cap: the idle segments longest unselected go first, then the least attended
-            idle = np.flatnonzero(self.recalled & ~np.isin(np.arange(len(self.recalled)), wanted))
+            idle = np.flatnonzero(idle & ~release)  # (those still recalled)
             c = self._c
             mean = (c[self._seg_ends[idle]] - c[self._seg_starts[idle]]) / (self._seg_ends[idle] - self._seg_starts[idle])
             early = idle[np.lexsort((mean, -self.unselected[idle]))[:excess]]

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from wnw_exp.kv.triton_moves import AddressRows, table_field
+from wnw_exp.methods.wnw.triage import smallest_recall_cap
 
 # The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses), then its sizes.
 (_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
@@ -145,11 +146,12 @@ class ChunkSwapTables:
 
     @staticmethod
     def pads_of(parts: list) -> dict:
-        """The kernel's compile-time bounds for `parts`: chunks, segments (powers of two) and top_k."""
+        """The kernel's compile-time bounds for `parts`: chunks, segments (powers of two), top_k and, with a cap, the
+        early releases one decision can make (one selection's segments, `triage.smallest_recall_cap`)."""
         return dict(C_PAD=max(16, triton.next_power_of_2(max((f.swap.n_chunks for f, _ in parts), default=1))),
                     S_PAD=max(16, triton.next_power_of_2(max((f.swap.n_seg for f, _ in parts), default=1))),
                     K_MAX=max(1, max((f.top_k for f, _ in parts), default=1)),
-                    E_MAX=max(1, max((f.top_k * triton.cdiv(f.n_c, f.n_s) if f.max_recalled else 1
+                    E_MAX=max(1, max((smallest_recall_cap(f.top_k, f.n_c, f.n_s) if f.max_recalled else 1
                                       for f, _ in parts), default=1)))
 
     def bind(self, parts: list) -> bool:

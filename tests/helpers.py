@@ -67,3 +67,50 @@ def tiny_qwen_omni(seed: int = 0, init: float = 0.2) -> QwenOmniBackbone:
 
     tok = build_word_tokenizer([f"w{i}" for i in range(300)])
     return QwenOmniBackbone(model, "tiny_qwen_test", prompt_fn=prompt_fn, tokenizer=tok)
+
+
+def placed_two_layer_sample(policy, store_cls, n_audio: int, retention: float, room_delta: int = 0):
+    """`policy` started on a made-up sample of 2 layers x 2 KV heads (4 query heads, head_dim 4) and `n_audio` audio
+    tokens in a new `store_cls` store, its prefill written and placed layer by layer from seeded random scores; a
+    packed store is then compacted with the policy's recall room + `room_delta` rows. Returns (policy, store)."""
+    from wnw_exp.engine.decode import place
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.methods.base import PrefillScores, SampleContext
+
+    cpu = torch.device("cpu")
+    ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=n_audio,
+                        retention=retention, device=cpu)
+    store = store_cls(2, 2, 4, n_audio, cpu, torch.float32, dense_capacity=16)
+    policy.start(ctx, store)
+    torch.manual_seed(0)
+    for layer in range(2):
+        k = torch.randn(2, n_audio + 3, 4)
+        store.write_prefill(layer, k, k + 1, (1, 1 + n_audio))
+        place(policy, store, layer, PrefillScores(torch.rand(4, 2, n_audio)))
+    if isinstance(store, PackedAudioKVStore):
+        store.compact(headroom=policy.recall_headroom + room_delta)
+    return policy, store
+
+
+def resident_positions(store, layer: int, head: int) -> set[int]:
+    """The audio positions (layer, KV head) holds on the device, on the reference store or a packed one (2 KV heads)."""
+    from wnw_exp.kv.reference import AudioKVStore
+
+    if isinstance(store, AudioKVStore):
+        return set(store.heads[layer][head].gpu_pos.tolist())
+    return set((store.slot_of[layer * 2 + head] >= 0).nonzero().flatten().tolist())
+
+
+def interpreted_prefill_in_torch(monkeypatch) -> None:
+    """Under Triton's interpreter (CPU tensors, TRITON_INTERPRET=1) a decode test's prefill runs `prefill_layer` in its
+    PyTorch kernels: the prefill is not what such a test checks (test_fused_decode checks the Triton prefill layer
+    against transformers'), and interpreted it is most of its time (a program per prompt row and launch). Both sides
+    of every comparison run the same prefill; on CUDA nothing changes."""
+    import functools
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+        import wnw_exp.engine.decode as decode
+        from wnw_exp.engine.step import prefill_layer
+
+        monkeypatch.setattr(decode, "prefill_layer", functools.partial(prefill_layer, kernels="torch"))

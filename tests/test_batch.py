@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import noise_audio, tiny_qwen_omni, tiny_voxtral
+from helpers import interpreted_prefill_in_torch, noise_audio, tiny_qwen_omni, tiny_voxtral
 from wnw_exp.engine.serve import BatchStats, Request, decode_batch, generate
 from wnw_exp.kv.pool import KVPool, PoolFull
 from wnw_exp.methods import build_policy
@@ -597,18 +596,6 @@ def test_bad_max_concurrent():
 
 
 # --- the batched Triton kernels --------------------------------------------------------------------------
-def _interpreted_prefill_in_torch(monkeypatch):
-    """Under Triton's interpreter (CPU) the prefill of these decode tests runs `prefill_layer` in its PyTorch kernels:
-    the prefill is not what they test (test_fused_decode checks the Triton prefill layer against transformers'), and
-    interpreted it is most of their time (a program per prompt row and launch). Both sides of every comparison run
-    the same prefill; on CUDA nothing changes."""
-    if not HAS_CUDA:
-        import wnw_exp.engine.decode as decode
-        from wnw_exp.engine.step import prefill_layer
-
-        monkeypatch.setattr(decode, "prefill_layer", functools.partial(prefill_layer, kernels="torch"))
-
-
 def _triton_device():
     if not HAS_TRITON:
         pytest.skip("triton is not installed (optional `gpu` extra)")
@@ -730,7 +717,7 @@ def test_batched_step_in_triton_matches_bs1(dtype, monkeypatch):
     import wnw_exp.kv.packed as packed
 
     dev = _triton_device()
-    _interpreted_prefill_in_torch(monkeypatch)
+    interpreted_prefill_in_torch(monkeypatch)
     flushes = []  # per batched flush: (its stores, their movable rows, the stores' rows its tables flush)
 
     def counted(stores, held=None, launch=True):
@@ -776,7 +763,7 @@ def test_a_bucket_step_and_its_tables_serve_every_composition_that_fits(method, 
     from wnw_exp.engine.step import BatchedFusedStep
 
     dev = _triton_device()
-    _interpreted_prefill_in_torch(monkeypatch)
+    interpreted_prefill_in_torch(monkeypatch)
     made, runners = [], []
     init, runner_init = BatchedFusedStep.__init__, decode.TokenRunner.__init__
     monkeypatch.setattr(BatchedFusedStep, "__init__", lambda self, *a, **k: (made.append(k.get("capacity")),
@@ -813,7 +800,7 @@ def test_batched_step_in_triton_on_a_paged_pool_with_preemption(monkeypatch):
     placed KV and one dense page more: a page given mid-answer to the first, the second (the newest) preempted when
     it needs one and restarted alone; both give bs 1's tokens and traces on the same kernels."""
     dev = _triton_device()
-    _interpreted_prefill_in_torch(monkeypatch)
+    interpreted_prefill_in_torch(monkeypatch)
     bb = _backbone("voxtral")
     bb.model.to(dev)
     path = dict(store="packed", fused=True, kernels="triton")

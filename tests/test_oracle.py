@@ -9,7 +9,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from helpers import noise_audio, tiny_voxtral
+from helpers import interpreted_prefill_in_torch, noise_audio, tiny_voxtral
 from test_engine import hf_generate
 from wnw_exp.engine.serve import generate
 from wnw_exp.methods import build_policy
@@ -98,12 +98,7 @@ def test_oracle_on_the_packed_store_is_the_reference_stores(kernels, monkeypatch
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-        import functools
-
-        import wnw_exp.engine.decode as decode
-        from wnw_exp.engine.step import prefill_layer
-
-        monkeypatch.setattr(decode, "prefill_layer", functools.partial(prefill_layer, kernels="torch"))
+        interpreted_prefill_in_torch(monkeypatch)
     backbone = tiny_voxtral()
     backbone.eos_token_ids = [-1]
     prompt = backbone.build_prompt(noise_audio(12.0))

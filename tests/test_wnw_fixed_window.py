@@ -14,12 +14,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import scores_for
+from helpers import placed_two_layer_sample, resident_positions, scores_for
 
-from wnw_exp.engine.decode import place
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
-from wnw_exp.methods.base import PrefillScores, SampleContext
 from wnw_exp.methods.wnw import WnW, triage
 
 N_AUDIO, N_S = 200, 10  # 20 segments of 10 tokens, chunks of 20 tokens every 10 (19 chunks)
@@ -72,18 +70,7 @@ def _setup(store_cls, fixed_window, room_delta=0):
     scores = scores_for([[1.0, 0.2], [0.1, 0.5]], np.ones((2, 2)))  # anchor (0,0), tidal (1,1), fixed (0,1), (1,0)
     policy = WnW(scores=scores, n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6, stride_seconds=0.8, top_k=1,
                  delta=3, fixed_window=fixed_window)
-    ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=N_AUDIO,
-                        retention=0.3, device=torch.device("cpu"))
-    store = store_cls(2, 2, 4, N_AUDIO, torch.device("cpu"), torch.float32, dense_capacity=16)
-    policy.start(ctx, store)
-    torch.manual_seed(0)
-    for layer in range(2):
-        k = torch.randn(2, N_AUDIO + 3, 4)
-        store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
-        place(policy, store, layer, PrefillScores(torch.rand(4, 2, N_AUDIO)))
-    if isinstance(store, PackedAudioKVStore):
-        store.compact(headroom=policy.recall_headroom + room_delta)
-    return policy, store
+    return placed_two_layer_sample(policy, store_cls, N_AUDIO, 0.3, room_delta)
 
 
 def _focus_at(s: int) -> int:
@@ -98,28 +85,22 @@ def _step(policy, s):
     policy.after_step(s)
 
 
-def _positions(store, layer, head):
-    if isinstance(store, AudioKVStore):
-        return set(store.heads[layer][head].gpu_pos.tolist())
-    return set((store.slot_of[layer * 2 + head] >= 0).nonzero().flatten().tolist())
-
-
 def test_fixed_heads_hold_their_window_where_the_focus_jumps():
     policy, store = _setup(AudioKVStore, fixed_window=4)
     plain, plain_store = _setup(AudioKVStore, fixed_window=0)
     assert policy.knobs()["n_window"] == 2 and policy.roles[0, 1] == policy.roles[1, 0] == triage.FIXED
     fixed = [(0, 1), (1, 0)]
-    prefill = {h: _positions(store, *h) for h in fixed}
-    assert prefill == {h: _positions(plain_store, *h) for h in fixed}  # the same prefill selection
+    prefill = {h: resident_positions(store, *h) for h in fixed}
+    assert prefill == {h: resident_positions(plain_store, *h) for h in fixed}  # the same prefill selection
     assert all(len(prefill[h]) < N_AUDIO for h in fixed)
     for s in range(12):
         _step(policy, s)
         _step(plain, s)
         window = {p for g in _window_ref(_focus_at(s), 4) for p in range(g * N_S, (g + 1) * N_S)}
         for h in fixed:  # the prefill subset and the whole window, nothing else
-            assert _positions(store, *h) == prefill[h] | window, (s, h)
-            assert _positions(plain_store, *h) == prefill[h]  # without the knob a fixed head never moves
-        assert _positions(store, 1, 1) == _positions(plain_store, 1, 1)  # the tidal head is untouched
+            assert resident_positions(store, *h) == prefill[h] | window, (s, h)
+            assert resident_positions(plain_store, *h) == prefill[h]  # without the knob a fixed head never moves
+        assert resident_positions(store, 1, 1) == resident_positions(plain_store, 1, 1)  # the tidal head is untouched
         assert policy.trace()["wnw"]["window_segments"][-1] == sorted(_window_ref(_focus_at(s), 4))
 
 
@@ -140,7 +121,7 @@ def test_packed_store_holds_what_the_reference_holds_within_its_room():
         store.end_step()
         ref.end_step()
         for h in [(0, 1), (1, 0), (1, 1)]:
-            assert _positions(store, *h) == _positions(ref, *h), (s, h)
+            assert resident_positions(store, *h) == resident_positions(ref, *h), (s, h)
     assert peak == room[1]  # disjoint windows, step after step: the room is reached, never exceeded
 
 
@@ -162,7 +143,7 @@ def test_triton_store_falls_back_to_the_pytorch_swap():
         store.end_step()
         ref.end_step()
         for h in [(0, 1), (1, 0), (1, 1)]:
-            assert _positions(store, *h) == _positions(ref, *h), (s, h)
+            assert resident_positions(store, *h) == resident_positions(ref, *h), (s, h)
 
 
 def test_one_row_less_and_the_store_refuses_the_window():

@@ -13,12 +13,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import scores_for
+from helpers import placed_two_layer_sample, resident_positions, scores_for
 
-from wnw_exp.engine.decode import place
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
-from wnw_exp.methods.base import PrefillScores, SampleContext
 from wnw_exp.methods.wnw import WnW, triage
 
 
@@ -129,18 +127,7 @@ def _setup(store_cls, cap, room_delta=0):
     scores = scores_for([[1.0, 0.2], [0.1, 0.5]], np.ones((2, 2)))  # anchor (0,0), tidal (0,1), (1,0), (1,1)
     policy = WnW(scores=scores, n_voice=4, n_anchor=1, lam=0.3, chunk_seconds=1.6, stride_seconds=0.8, top_k=2,
                  delta=3, max_recalled=cap)
-    ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=N_AUDIO,
-                        retention=0.5, device=torch.device("cpu"))
-    store = store_cls(2, 2, 4, N_AUDIO, torch.device("cpu"), torch.float32, dense_capacity=16)
-    policy.start(ctx, store)
-    torch.manual_seed(0)
-    for layer in range(2):
-        k = torch.randn(2, N_AUDIO + 3, 4)
-        store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
-        place(policy, store, layer, PrefillScores(torch.rand(4, 2, N_AUDIO)))
-    if isinstance(store, PackedAudioKVStore):
-        store.compact(headroom=policy.recall_headroom + room_delta)
-    return policy, store
+    return placed_two_layer_sample(policy, store_cls, N_AUDIO, 0.5, room_delta)
 
 
 def _step(policy, s):
@@ -150,12 +137,6 @@ def _step(policy, s):
     p[:, (at + 170) % 380:(at + 170) % 380 + 20] = 0.04
     policy.observe(0, p)
     policy.after_step(s)
-
-
-def _positions(store, layer, head):
-    if isinstance(store, AudioKVStore):
-        return set(store.heads[layer][head].gpu_pos.tolist())
-    return set((store.slot_of[layer * 2 + head] >= 0).nonzero().flatten().tolist())
 
 
 def test_packed_store_holds_what_the_reference_holds_within_the_capped_room():
@@ -174,7 +155,7 @@ def test_packed_store_holds_what_the_reference_holds_within_the_capped_room():
         store.end_step()
         ref.end_step()
         for h in [(0, 1), (1, 0), (1, 1)]:
-            assert _positions(store, *h) == _positions(ref, *h), (s, h)
+            assert resident_positions(store, *h) == resident_positions(ref, *h), (s, h)
     assert (peak.numpy() <= room).all() and (peak.numpy() == room)[room > 0].any()  # reached, never exceeded
     with pytest.raises(RuntimeError, match="region is full"):
         policy, store = _setup(PackedAudioKVStore, cap=4, room_delta=-1)
@@ -234,7 +215,7 @@ def test_triton_store_holds_what_the_reference_holds():
         store.end_step()
         ref.end_step()
         for h in [(0, 1), (1, 0), (1, 1)]:
-            assert _positions(store, *h) == _positions(ref, *h), (s, h)
+            assert resident_positions(store, *h) == resident_positions(ref, *h), (s, h)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "6", True, 5])

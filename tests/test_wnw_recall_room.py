@@ -10,13 +10,11 @@ No kernel runs here (moves only), so this needs neither CUDA nor Triton.
 import numpy as np
 import pytest
 import torch
-from helpers import scores_for
+from helpers import placed_two_layer_sample, scores_for
 
-from wnw_exp.engine.decode import place
 from wnw_exp.methods.wnw import triage
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
-from wnw_exp.methods.base import PrefillScores, SampleContext
 from wnw_exp.methods.wnw import WnW
 
 N_AUDIO = 200  # 20 segments of 10 tokens, chunks of 20 tokens every 10 (19 chunks)
@@ -36,19 +34,7 @@ def _setup(store_cls, delta=3, selection="segment", room_delta=0):
     scores = scores_for([[1.0, 0.2], [0.1, 0.5]], np.ones((2, 2)))
     policy = WnW(scores=scores, n_voice=2, n_anchor=1, lam=0.5, chunk_seconds=1.6, stride_seconds=0.8, top_k=1,
                  delta=delta, selection=selection)
-    ctx = SampleContext(n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4, token_rate=12.5, n_audio=N_AUDIO,
-                        retention=0.3, device=torch.device("cpu"))
-    store = store_cls(2, 2, 4, N_AUDIO, torch.device("cpu"), torch.float32, dense_capacity=16)
-    policy.start(ctx, store)
-    torch.manual_seed(0)
-    for layer in range(2):
-        k = torch.randn(2, N_AUDIO + 3, 4)
-        store.write_prefill(layer, k, k + 1, (1, 1 + N_AUDIO))
-        post = torch.rand(4, 2, N_AUDIO)
-        place(policy, store, layer, PrefillScores(post))
-    if store_cls is PackedAudioKVStore:
-        store.compact(headroom=policy.recall_headroom + room_delta)
-    return policy, store
+    return placed_two_layer_sample(policy, store_cls, N_AUDIO, 0.3, room_delta)
 
 
 def _jump(policy, store, s):

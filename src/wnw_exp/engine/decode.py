@@ -190,6 +190,17 @@ class Stream:
         self.logits: torch.Tensor | None = None
         self.step = None  # the stream's own decode step (TorchStep or FusedStep), made by `make_step`
         self.runner = None  # its `TokenRunner` (a fused step of its own), made at its first step
+        self._observers: list | None = None  # (`observers`)
+
+    def observers(self) -> list[tuple[int, list[int], torch.Tensor | None, torch.Tensor]]:
+        """The layers whose method observes query heads (`Policy.observe_heads`): (layer, those heads, the method's
+        accumulator of their weights (`Policy.observe_sum`; None: it takes the weights), the layer's `slot_of` rows),
+        made once, after the placement (a batched step reads them at each composition)."""
+        if self._observers is None:
+            L, H, policy, slot_of = self.backbone.n_layers, self.backbone.n_kv_heads, self.policy, self.store.slot_of
+            self._observers = [(li, heads, policy.observe_sum(li), slot_of[li * H:(li + 1) * H])
+                               for li in range(L) if (heads := policy.observe_heads(li))]
+        return self._observers
 
     def prefill_layers(self):
         """Prefill layer by layer; yields after each. A layer runs in the fused step's kernels on the Triton path

@@ -254,13 +254,9 @@ class BatchedFusedStep:
         self.observe: list[list[tuple[int, torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]
         summing: list[list] = [[] for _ in range(L)]
         for b, st in enumerate(streams):
-            for li in range(L):
-                heads = st.policy.observe_heads(li)
-                if not heads:
-                    continue
-                acc = st.policy.observe_sum(li)
+            for li, heads, acc, slot_rows in st.observers():
                 if acc is not None and self.kernels == "triton":
-                    summing[li].append((b, acc, st.store.slot_of[li * H:(li + 1) * H], heads))
+                    summing[li].append((b, acc, slot_rows, heads))
                 else:
                     self.observe[li].append((b, torch.tensor(heads, dtype=torch.int32, device=self.dev),
                                              torch.zeros(len(heads), st.store.n_audio, device=self.dev)))

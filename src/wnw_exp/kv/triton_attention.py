@@ -21,6 +21,7 @@ Triton is optional: import this module only where `triton` is installed (the `gp
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -196,8 +197,9 @@ class ObserverSum:
         self.nobs_max = max(len(h) for *_, h in entries)
         self.n_max = max(a.shape[0] for _, a, _, _ in entries)
         self.H = entries[0][2].shape[0]
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
-        self.slot_tbl, self.acc_tbl, self.n_tbl, self.b_tbl, self.nobs = z(E), z(E), z(E), z(E), z(E)
+        # each entry's slot_of and accumulator addresses, positions, stream and observer count (one upload)
+        self._cols = torch.zeros(5, E, dtype=torch.int64, device=device)
+        self.slot_tbl, self.acc_tbl, self.n_tbl, self.b_tbl, self.nobs = self._cols
         self.heads = torch.zeros(E, self.nobs_max, dtype=torch.int32, device=device)
         self.bind(entries)
 
@@ -212,14 +214,13 @@ class ObserverSum:
             assert acc.is_contiguous() and acc.dtype == torch.float32 and slot_of.is_contiguous()
             assert slot_of.dtype == torch.int32 and slot_of.shape[1] == acc.shape[0]
         self.entries = entries  # keeps the tensors alive
-        heads = torch.zeros(E, self.nobs_max, dtype=torch.int32)
-        cols = torch.zeros(5, E, dtype=torch.int64)  # slot_of, acc, n, b, n_obs (rows past the entries: nothing)
+        heads = np.zeros((E, self.nobs_max), np.int32)
+        cols = np.zeros((5, E), np.int64)  # slot_of, acc, n, b, n_obs (rows past the entries: nothing)
         for o, (b, acc, slot_of, h) in enumerate(entries):
-            heads[o, : len(h)] = torch.tensor(h, dtype=torch.int32)
-            cols[:, o] = torch.tensor([slot_of.data_ptr(), acc.data_ptr(), acc.shape[0], b, len(h)])
-        for dst, src in zip((self.slot_tbl, self.acc_tbl, self.n_tbl, self.b_tbl, self.nobs), cols):
-            upload(dst, src)
-        upload(self.heads, heads)
+            heads[o, : len(h)] = h
+            cols[:, o] = (slot_of.data_ptr(), acc.data_ptr(), acc.shape[0], b, len(h))
+        upload(self._cols, torch.from_numpy(cols))
+        upload(self.heads, torch.from_numpy(heads))
         return True
 
     def __call__(self, q: torch.Tensor, audio_k: torch.Tensor, audio_off: torch.Tensor, lse: torch.Tensor,

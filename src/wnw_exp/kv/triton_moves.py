@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -202,7 +203,7 @@ class FlushTables:
 
     def __init__(self, parts: list, device: torch.device, capacity: int | None = None):
         self.capacity, self.device = capacity, device
-        slots = [sum(int(st.caps[r]) for r in rows) for st, rows in parts]
+        slots = [int(st.caps[np.asarray(rows, np.int64)].sum()) for st, rows in parts]
         if capacity is None:
             n_st, row_cap, slot_cap = len(parts), sum(len(rows) for _, rows in parts), sum(slots)
         else:
@@ -214,7 +215,9 @@ class FlushTables:
         self.W = None
         self.row_cap, self.slot_cap = max(row_cap, 1), max(slot_cap, 1)
         i32 = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
-        self.row_st, self.row_r, self.row_m = i32(self.row_cap), i32(self.row_cap), i32(self.row_cap)
+        # each flushed row's store, row and host mirror row (one upload in `bind`), and its scratch offset
+        self._cols = torch.empty(3, self.row_cap, dtype=torch.int32, device=device)
+        self.row_st, self.row_r, self.row_m = self._cols
         self.scr_off = torch.empty(self.row_cap, dtype=torch.int64, device=device)
         self.scratch = i32(self.slot_cap)
         # the pairs to copy: store, host mirror row (its mirror row * N + position), slot (16 bytes a slot with the
@@ -227,9 +230,8 @@ class FlushTables:
 
     def bind(self, parts: list) -> bool:
         """Rewrite the tables for `parts` (outside a graph capture); False (nothing changed) where they do not fit."""
-        ptrs, row_st, row_r, row_m, scr_off, keep, words = [], [], [], [], [], [], set()
-        n_slots = 0
-        for s, (store, rows) in enumerate(parts):
+        ptrs, keep, words = [], [], set()
+        for store, rows in parts:
             ts = [getattr(store, f) for f in FIELDS]
             assert all(t.is_contiguous() for t in ts)
             assert store.audio_k.element_size() in (2, 4, 8) and store.host_k.dtype == store.audio_k.dtype
@@ -237,12 +239,14 @@ class FlushTables:
             assert store.n_rows * store.n_audio < 2**31 and store.audio_k.shape[0] < 2**31  # int32 pairs
             keep += ts
             ptrs.append([t.data_ptr() for t in ts] + [store.n_audio])
-            for r in rows:
-                row_st.append(s)
-                row_r.append(int(r))
-                row_m.append(int(store.host_row[r]))  # its row in the host mirror
-                scr_off.append(n_slots)
-                n_slots += int(store.caps[r])  # a row's recalls fill at most its slots
+        rows = [np.asarray(r, np.int64) for _, r in parts]
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        row_r = cat(rows)
+        row_st = np.repeat(np.arange(len(parts), dtype=np.int64), [len(r) for r in rows])
+        row_m = cat([store.host_row[r] for (store, _), r in zip(parts, rows)])  # each row's row in the host mirror
+        slots = cat([store.caps[r] for (store, _), r in zip(parts, rows)])  # a row's recalls fill at most its slots
+        scr_off = np.cumsum(slots) - slots
+        n_slots = int(slots.sum())
         assert len(words) <= 1, "FlushTables: the stores' K/V rows differ in size"
         W = words.pop() if words else (self.W or 1)
         assert W & (W - 1) == 0, "the K/V row size in 16-bit words must be a power of two"
@@ -252,14 +256,14 @@ class FlushTables:
         self.W = W
         self.table.write(ptrs, keep)
         pad = self.row_cap - len(row_r) if self.capacity is not None else 0
-        as_t = lambda xs, dt: torch.tensor(xs, dtype=dt)  # noqa: E731
         self.n_store_rows = len(row_r)  # the stores' rows it flushes
         self.n_rows = len(row_r) + pad  # (with a capacity, the fixed grid: rows past the stores' are skipped)
-        if self.n_rows:
-            upload(self.row_st[: self.n_rows], as_t(row_st + [-1] * pad, torch.int32))
-            upload(self.row_r[: self.n_rows], as_t(row_r + [0] * pad, torch.int32))
-            upload(self.row_m[: self.n_rows], as_t(row_m + [0] * pad, torch.int32))
-            upload(self.scr_off[: self.n_rows], as_t(scr_off + [0] * pad, torch.int64))
+        if self.n_rows:  # (rows past the stores': store -1)
+            cols = np.zeros((3, self.n_rows), np.int32)
+            cols[0, len(row_r):] = -1
+            cols[:, : len(row_r)] = (row_st, row_r, row_m)
+            upload(self._cols[:, : self.n_rows], torch.from_numpy(cols))
+            upload(self.scr_off[: self.n_rows], torch.from_numpy(np.pad(scr_off, (0, pad))))
         return True
 
     def __call__(self) -> None:

@@ -266,11 +266,15 @@ class WnW(Policy):
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self._offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._unread: list[tuple[int, list[int], torch.Tensor]] = []  # placed layers whose masks `offloaded` reads
+        # the host tiers read so far, in placement order, as arrays: (rows l * H_kv + h, counts, positions) per read
+        self._tier_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._tier: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # their concatenation
         self._host_index: dict[bool, tuple] = {}  # (window?) -> by-position host-tier index, built at the first move
         self._held: tuple = ([], [])  # lag 2: the decision waiting one step
         self._trace = dict(selected_chunks=[], recalled_segments=[], released_segments=[], recalled_fraction=[],
                            resident_segments=[])
         self._window_rows = {(int(li), int(k)) for li, k in zip(*np.nonzero(self.window))}
+        self._window_row_ids = np.flatnonzero(self.window.ravel())  # (the same, as rows l * H_kv + h)
         self._window_at: list[int] = []  # `fixed_window`: the segments the fixed heads hold now (host swap)
         self.windowed = bool(self._window_rows) and self.has_anchors and bool(self.swap.chunks)
         if self.windowed:
@@ -481,28 +485,49 @@ class WnW(Policy):
     @property
     def offloaded(self) -> dict[tuple[int, int], torch.Tensor]:
         """Tidal head (layer, KV head) -> its host-tier positions, a sorted CPU long tensor, in placement order. The
-        masks of the layers placed since the last read are read from the device here, in one copy."""
-        if self._unread:
-            masks = torch.stack([keep for _, _, keep in self._unread]).cpu().numpy()  # (layers, H_kv, n_audio)
-            H, n = masks.shape[1:]
-            at = np.array([i * H + k for i, (_, heads, _) in enumerate(self._unread) for k in heads], np.int64)
-            which, pos = np.nonzero(~masks.reshape(-1, n)[at])  # the tidal heads' host tiers, in placement order
-            ends = np.searchsorted(which, np.arange(1, len(at) + 1))
-            for head, p in zip(((layer, k) for layer, heads, _ in self._unread for k in heads),
-                               np.split(pos, ends[:-1])):
-                self._offloaded[head] = torch.from_numpy(p)
-            self._unread = []
+        masks of the layers placed since the last read are read from the device (`_read_tiers`, one copy)."""
+        self._read_tiers()
+        n_read = sum(len(rows) for rows, _, _ in self._tier_parts)
+        if len(self._offloaded) < n_read:  # the heads read since the dict was last made
+            H = self.ctx.n_kv_heads
+            rows, counts, pos = self._host_tiers()
+            new = slice(len(self._offloaded), n_read)
+            ends = np.cumsum(counts)
+            for r, e, c in zip(rows[new].tolist(), ends[new].tolist(), counts[new].tolist()):
+                self._offloaded[(r // H, r % H)] = torch.from_numpy(pos[e - c:e])
         return self._offloaded
 
+    def _read_tiers(self) -> None:
+        """The host tiers of the tidal heads of the layers placed since the last read: their masks read from the
+        device in one copy, kept as arrays (`_host_tiers`)."""
+        if not self._unread:
+            return
+        masks = torch.stack([keep for _, _, keep in self._unread]).cpu().numpy()  # (layers, H_kv, n_audio)
+        H, n = masks.shape[1:]
+        at = np.array([i * H + k for i, (_, heads, _) in enumerate(self._unread) for k in heads], np.int64)
+        rows = np.array([layer * H + k for layer, heads, _ in self._unread for k in heads], np.int64)
+        which, pos = np.nonzero(~masks.reshape(-1, n)[at])  # the tidal heads' host tiers, in placement order
+        self._tier_parts.append((rows, np.bincount(which, minlength=len(at)).astype(np.int64), pos.astype(np.int64)))
+        self._tier = None
+        self._unread = []
+
+    def _host_tiers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every head's host tier read so far: rows (l * H_kv + h), counts and positions (each head's ascending),
+        in placement order."""
+        if self._tier is None:
+            parts = self._tier_parts or [(np.zeros(0, np.int64),) * 3]
+            self._tier = tuple(np.concatenate(x) for x in zip(*parts))
+        return self._tier
+
     def _host_tier(self, window: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`offloaded` as arrays: each tidal head's row (l * H_kv + h) and host-tier count, and every position (with
-        `window`: the fixed heads' of `fixed_window` instead)."""
-        H = self.ctx.n_kv_heads
-        off = {h: p for h, p in self.offloaded.items() if (h in self._window_rows) == window}
-        rows = np.array([li * H + k for li, k in off], np.int64)
-        counts = np.array([len(c) for c in off.values()], np.int64)
-        pos = torch.cat(list(off.values())).numpy() if off else np.zeros(0, np.int64)
-        return rows, counts, pos
+        """The tidal heads' host tiers (with `window`: the fixed heads' of `fixed_window` instead) as arrays: each
+        head's row (l * H_kv + h) and host-tier count, and every position."""
+        self._read_tiers()
+        rows, counts, pos = self._host_tiers()
+        if not len(self._window_row_ids):
+            return (rows, counts, pos) if not window else (rows[:0], counts[:0], pos[:0])
+        sel = np.isin(rows, self._window_row_ids) == window
+        return rows[sel], counts[sel], pos[np.repeat(sel, counts)]
 
     def observe(self, layer: int, probs: torch.Tensor) -> None:
         self.scores_acc += probs.sum(dim=0)

@@ -115,6 +115,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self.expected_new_tokens = dense_capacity if expected_new_tokens is None else min(expected_new_tokens,
                                                                                             dense_capacity)
         self._pages: list[list] = []  # per page index: its L * H_kv blocks (`kv.pool.Extent`)
+        self._dense_room = 0  # the dense tokens its pages hold (`ensure_dense`)
         self.dense_table: torch.Tensor | None = None
         self.n_text = 0  # the prompt's non-audio tokens
         self.caps = np.full(R, N, np.int64)  # slots each row owns (host: the layout only changes in compact)
@@ -393,6 +394,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         """Pool only: dense pages for the first `n_tokens` dense tokens of every (layer, KV head), asked of the pool
         a page (one block per row) at a time; False (nothing taken for the page that failed) where the pool has no
         free blocks left. Raises where `n_tokens` is past the store's capacity."""
+        if n_tokens <= self._dense_room:  # (every decode step asks: the pages it has hold the token)
+            return True
         if n_tokens > self.dense_rows_max:
             raise RuntimeError("dense KV capacity exhausted: raise the engine's max_new_tokens capacity")
         while len(self._pages) < self._pages_for(n_tokens):
@@ -402,6 +405,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             p = len(self._pages)
             self._pages.append(got)
             upload(self.dense_table[:, p], torch.tensor([e.start for e in got], dtype=torch.int32))  # (no host wait)
+            self._dense_room = min(len(self._pages) * self.page, self.dense_rows_max)
         return True
 
     @property
@@ -419,6 +423,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
             self.pool.free_many([self.extent] + [e for page in self._pages for e in page])  # in one pass
             self.extent = None
             self._pages = []
+            self._dense_room = 0
             self.audio_k = self.audio_v = self.dense_k = self.dense_v = None
         if self.pool is not None and self.host_k is not None:  # the next stream of this shape pins nothing new
             self.pool.give_host(self.host_k)
@@ -539,19 +544,19 @@ class PackedAudioKVStore(StepAccounting, KVStore):
                 if len(rows) == 0:
                     self._blocks[key] = None
                     continue
-                caps = self.caps[rows]
-                slots = np.concatenate([np.arange(self.base[r], self.base[r] + c) for r, c in zip(rows, caps)])
-                host = dict(rows=rows, slots=slots, row=np.repeat(np.arange(len(rows)), caps),
-                            local=np.arange(len(slots)) - np.repeat(np.cumsum(caps) - caps, caps),
-                            start=np.cumsum(caps) - caps)
-                self._blocks[key] = dict(host_rows=rows, host=host)
+                self._blocks[key] = dict(host_rows=rows)
         return self._blocks
 
     def _torch_block(self, b: dict) -> dict:
         """A flush scope's index arrays on the device (rows, slots, row, local, start), made at the PyTorch flush's
         first use of the scope in one copy from pinned memory (the Triton flush never needs them)."""
         if "rows" not in b:
-            h = b["host"]
+            rows = b["host_rows"]
+            caps = self.caps[rows]
+            start = np.cumsum(caps) - caps
+            slots = np.repeat(self.base[rows] - start, caps) + np.arange(int(caps.sum()))
+            h = dict(rows=rows, slots=slots, row=np.repeat(np.arange(len(rows)), caps),
+                     local=np.arange(len(slots)) - np.repeat(start, caps), start=start)
             flat = to_device(np.concatenate([np.asarray(a, np.int64) for a in h.values()]), self.device)
             at = 0
             for k, a in h.items():
@@ -873,8 +878,8 @@ class BatchLayout:
         for b, lay in enumerate(layouts):
             off[:, b] = lay.audio_off
         upload(self.audio_off, torch.from_numpy(off))
-        keys = [max(lay.dense_rows_max + int(lay.caps[li].max()) for lay in layouts) for li in range(L)]
-        self.max_keys = [-(-k // round_keys) * round_keys for k in keys]
+        keys = np.max([lay.dense_rows_max + np.asarray(lay.caps).reshape(L, -1).max(axis=1) for lay in layouts], axis=0)
+        self.max_keys = [-(-int(k) // round_keys) * round_keys for k in keys]
         self.stores = list(stores)
         if self._rows is not None:
             rows = [[s._lens.data_ptr(), s.audio_len.data_ptr(), s.dense_table.data_ptr(), s.dense_table.shape[1]]

@@ -28,14 +28,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):  # (a tuple: a stream's dense pages make thousands of them)
     block: int  # first block
     n_blocks: int
     start: int  # first row (block * rows per block)
@@ -199,10 +198,9 @@ class KVPool:
         if got is None:
             self.n_refused += 1
             return None
-        out = []
-        for j in got:
-            ext = self._live[j] = Extent(j, 1, j * self.block, self.block)
-            out.append(ext)
+        rows = self.block
+        out = [Extent(j, 1, j * rows, rows) for j in got]
+        self._live.update(zip(got, out))
         return out
 
     def alloc(self, n_rows: int) -> Extent | None:
@@ -224,7 +222,7 @@ class KVPool:
         if any(live.get(ext.block) is not ext for ext in extents) or len({e.block for e in extents}) < len(extents):
             raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
         for ext in extents:
-            del live[ext.block]
+            del live[ext[0]]
         if len(extents) == 1:
             self._blocks.give(extents[0].block, extents[0].n_blocks)
         else:

@@ -349,6 +349,33 @@ def test_mobility_comes_from_the_calibration_when_it_matches():
         WnW(scores=scores_for(vs, np.ones((2, 2))), recall_budget="fraction")
 
 
+def test_head_scale_spread_and_reading_size_shares_by_what_a_head_reads():
+    """`head_scale: spread` gives s~ = VS x HS x audio_positions_90 normalised over the non-anchor heads, `reading`
+    the audio share x audio_positions_90; the roles stay the importance's; a file without the measurement is
+    refused in one line naming the fix."""
+    vs = np.array([[1.0, 0.8], [0.6, 0.4], [0.3, 0.2]])
+    hs = np.ones((3, 2))
+    p90 = np.array([[0.01, 0.02], [0.30, 0.05], [0.10, 0.40]])
+    audio = np.array([[0.9, 0.2], [0.1, 0.3], [0.7, 0.05]])
+    kw = dict(n_voice=4, n_anchor=1, head_attention=dict(audio_positions_90=p90.tolist(), audio=audio.tolist()))
+    base = WnW(scores=scores_for(vs, hs, **kw), n_voice=4, n_anchor=1)
+    roles = base.triage_for(0.2)[0]
+    for scale, signal in (("spread", vs * hs * p90), ("reading", audio * p90)):
+        policy = WnW(scores=scores_for(vs, hs, **kw), n_voice=4, n_anchor=1, head_scale=scale)
+        got_roles, s_tilde, _, _ = policy.triage_for(0.2)
+        assert (got_roles == roles).all()
+        other = roles != triage.ANCHOR
+        want = signal[other] / signal[other].max()
+        assert np.allclose(s_tilde[other], want) and (s_tilde[~other] == 1.0).all()
+    # spread: head (1, 0) (VS 0.6, 90% of its mass on 30% of the positions) outranks head (0, 1) (VS 0.8, 2%)
+    s_tilde = WnW(scores=scores_for(vs, hs, **kw), n_voice=4, n_anchor=1, head_scale="spread").triage_for(0.2)[1]
+    assert s_tilde[1, 0] > s_tilde[0, 1]
+    with pytest.raises(ValueError, match="head_scale=spread.*audio_positions_90.*wnw-calibrate"):
+        WnW(scores=scores_for(vs, hs), head_scale="spread")
+    with pytest.raises(ValueError, match="head_scale.*importance, flat, spread, reading"):
+        WnW(scores=scores_for(vs, hs), head_scale="wide")
+
+
 # --- the score file -----------------------------------------------------------------------------------
 def test_mismatched_head_scores_are_refused(tmp_path):
     path = scores_for(VS, HS, name="voxtral").save(tmp_path / "head_scores.json")

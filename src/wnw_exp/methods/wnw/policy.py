@@ -52,7 +52,12 @@ their tiers (the store's `set_tiers_block`), so a layer costs a few launches and
 
 `head_scale: flat` replaces s~ by 1 for every non-anchor head (Eq. 1 without the importance), so a fixed
 `lam` is every non-anchor head's share: `n_anchor = n_voice`, `head_scale: flat`, `lam: 0.05` keeps the voice
-heads whole and a static 5% of every other head (a probe of the testbed, not a method).
+heads whole and a static 5% of every other head (a probe of the testbed, not a method). Beyond the paper,
+`head_scale: spread` sizes each head's share by its importance times the fraction of audio positions that hold 90%
+of its attention at a step (the head-score file's `audio_positions_90`, measured by wnw-calibrate): a head that reads
+far from the focus keeps more in prefill, one that reads a few positions (which the chunk swap recalls) less;
+`reading` uses the head's audio share of its attention in place of the importance (fixed heads that read much
+audio then keep some). The roles stay the importance's.
 
 `quota: floor` (§2.3) gives each segment floor(retention * n_s) positions, so a head with retention < 1/n_s
 keeps none at all; `quota: spread` keeps the same fractional budget, floor(retention * n_audio) per head,
@@ -115,7 +120,7 @@ from wnw_exp.methods.wnw.mobility import measure_swap_mobility
 
 RECALL_BUDGETS = ("peak", "expected", "none")
 SWAP_STARTS = ("prefill", "decode")
-HEAD_SCALES = ("importance", "flat")
+HEAD_SCALES = ("importance", "flat", "spread", "reading")
 DEFAULT_MOBILITY = 0.3  # see the module docstring; wnw-calibrate measures it per model
 
 
@@ -203,6 +208,9 @@ class WnW(Policy):
         self.max_recalled = max_recalled
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
+        if head_scale in ("spread", "reading"):  # (a file without the measurement fails here, in one line)
+            self._spread = self._head_attention("audio_positions_90")
+            self._audio = self._head_attention("audio")
         self._triage_cache: dict[float, tuple] = {}
         self._solutions = _Solutions()  # `_solution`: per (sample length, target, ...), shared with the forks
 
@@ -225,8 +233,22 @@ class WnW(Policy):
             s_tilde = triage.normalised_scores(self.importance, roles)
             if self.head_scale == "flat":  # every non-anchor head gets retention min(lambda, 1): lambda is the share
                 s_tilde = np.where(roles == triage.ANCHOR, 1.0, np.ones_like(s_tilde))
+            elif self.head_scale == "spread":  # the importance times the share of positions the head reads
+                s_tilde = triage.normalised_scores(self.importance * self._spread, roles)
+            elif self.head_scale == "reading":  # the head's audio share times the share of positions it reads
+                s_tilde = triage.normalised_scores(self._audio * self._spread, roles)
             self._triage_cache[retention] = (roles, s_tilde, nv, na)
         return self._triage_cache[retention]
+
+    def _head_attention(self, key: str) -> np.ndarray:
+        """A per-KV-head measurement of the head-score file's calibration (`head_attention`, wnw-calibrate), as the
+        importance's (L, H_kv) array."""
+        got = (self.scores.calibration.get("head_attention") or {}).get(key)
+        if got is None or np.asarray(got).shape != self.importance.shape:
+            raise ValueError(f"method.head_scale={self.head_scale}: the head-score file ({self.scores.path}) has no "
+                             f"per-head '{key}' of shape {self.importance.shape} in its calibration.head_attention: "
+                             "re-run wnw-calibrate, or use head_scale=importance")
+        return np.asarray(got, dtype=np.float64)
 
     def check(self, retention: float) -> None:
         roles = self.triage_for(retention)[0]  # n_voice / n_anchor against the model's heads

@@ -222,7 +222,7 @@ class KVPool:
         if any(live.get(ext.block) is not ext for ext in extents) or len({e.block for e in extents}) < len(extents):
             raise RuntimeError("KVPool.free: the extent is not one handed out (freed twice?)")
         for ext in extents:
-            del live[ext[0]]
+            del live[ext.block]
         if len(extents) == 1:
             self._blocks.give(extents[0].block, extents[0].n_blocks)
         else:

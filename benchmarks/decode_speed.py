@@ -185,16 +185,21 @@ def backbone_info(name: str, cfg) -> dict:
 
 
 def synthetic_head_scores(info: dict, path: Path, seed: int = 0) -> Path:
-    """A head_scores.json for a random-weight model: seeded VS ~ Beta(2, 20), HS ~ LogNormal(-11, 1) per KV head."""
+    """A head_scores.json for a random-weight model: seeded VS ~ Beta(2, 20), HS ~ LogNormal(-11, 1) per KV head, and
+    the calibration's per-head attention measurements that `method.head_scale=spread|reading` read (audio share ~
+    Beta(2, 5), the fraction of positions holding 90% of it ~ Beta(2, 10))."""
     from wnw_exp.head_scores import HeadScores
 
     rng = np.random.default_rng(seed)
     shape = (info["n_layers"], info["n_kv_heads"])
+    vs, hs = rng.beta(2, 20, shape), rng.lognormal(-11, 1, shape)
+    head_attention = dict(audio=rng.beta(2, 5, shape).tolist(), audio_positions_90=rng.beta(2, 10, shape).tolist())
     HeadScores(model=info["name"], n_layers=info["n_layers"], n_q_heads=info["n_q_heads"],
                n_kv_heads=info["n_kv_heads"], head_dim=info["head_dim"], token_rate=info["token_rate"],
-               voice_score=rng.beta(2, 20, shape), head_sensitivity=rng.lognormal(-11, 1, shape),
-               calibration=dict(synthetic="benchmarks/decode_speed.py: seeded random VS ~ Beta(2, 20) and "
-                                          "HS ~ LogNormal(-11, 1); not measured", seed=seed)).save(path)
+               voice_score=vs, head_sensitivity=hs,
+               calibration=dict(synthetic="benchmarks/decode_speed.py: seeded random VS ~ Beta(2, 20), "
+                                          "HS ~ LogNormal(-11, 1), head_attention; not measured", seed=seed,
+                                head_attention=head_attention)).save(path)
     return path
 
 

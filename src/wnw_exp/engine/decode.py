@@ -93,8 +93,8 @@ def decode_path(device: torch.device, policy: Policy, store: str = "auto", fused
 
 
 # Eager steps before a CUDA graph is captured: they compile the kernels, allocate the buffers and build the tables
-# that must not be built inside a capture. One step does all of that and eager steps of a large batch are slow, so
-# the default is one; the environment variable WNW_WARM_STEPS sets another count.
+# that must not be built inside a capture. One step does all of that (an eager step of a large batch costs many
+# replays), so the default is one; the environment variable WNW_WARM_STEPS sets another count.
 WARM_STEPS = int(os.environ.get("WNW_WARM_STEPS", 1))
 
 
@@ -375,8 +375,8 @@ class TokenRunner:
     methods' decisions and the stores' moves (`after(i)`) on the side stream `side` while the final norm and the LM
     head run, then the head. With `graph`, PyTorch's capture recipe: the first `warm_steps` tokens (WARM_STEPS) run
     eagerly on a warm-up stream, then the whole token (`after(None)`: the step index stays on the device) is captured
-    in one CUDA graph and replayed. A batch whose kernels have compiled and whose tables `prepare` built (a shape
-    already warm) captures its first token (`warm_steps=0`); should that capture fail, it warms up as usual."""
+    in one CUDA graph and replayed. A batch whose kernels have compiled and whose tables `_prepare_after_all` built
+    (a shape already warm) captures its first token (`warm_steps=0`); should that capture fail, it warms up as usual."""
 
     def __init__(self, step, dev: torch.device, side, warm_steps: int | None = None):
         self.step, self.dev, self.side = step, dev, side

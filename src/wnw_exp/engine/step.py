@@ -229,7 +229,7 @@ class BatchedFusedStep:
     def bind(self, streams) -> None:
         """Seat `streams` (placed in this step's pool) in rows 0.., the rest empty (outside a graph capture)."""
         streams = list(streams)
-        C, L, H = self.layout.capacity, len(self.layers), self.n_kv
+        C, L = self.layout.capacity, len(self.layers)
         stores = [st.store for st in streams]
         if not streams or len(streams) > C:
             raise ValueError(f"{len(streams)} streams for a batched step of {C}")

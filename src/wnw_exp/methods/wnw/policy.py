@@ -208,9 +208,9 @@ class WnW(Policy):
         self.max_recalled = max_recalled
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
-        if head_scale in ("spread", "reading"):  # (a file without the measurement fails here, in one line)
-            self._spread = self._head_attention("audio_positions_90")
-            self._audio = self._head_attention("audio")
+        if head_scale in ("spread", "reading"):  # what sizes the shares (a file without it fails here, in one line)
+            other = self._head_attention("audio") if head_scale == "reading" else self.importance
+            self._reads = self._head_attention("audio_positions_90") * other
         self._triage_cache: dict[float, tuple] = {}
         self._solutions = _Solutions()  # `_solution`: per (sample length, target, ...), shared with the forks
 
@@ -233,10 +233,8 @@ class WnW(Policy):
             s_tilde = triage.normalised_scores(self.importance, roles)
             if self.head_scale == "flat":  # every non-anchor head gets retention min(lambda, 1): lambda is the share
                 s_tilde = np.where(roles == triage.ANCHOR, 1.0, np.ones_like(s_tilde))
-            elif self.head_scale == "spread":  # the importance times the share of positions the head reads
-                s_tilde = triage.normalised_scores(self.importance * self._spread, roles)
-            elif self.head_scale == "reading":  # the head's audio share times the share of positions it reads
-                s_tilde = triage.normalised_scores(self._audio * self._spread, roles)
+            elif self.head_scale in ("spread", "reading"):  # the share of positions the head reads, times the
+                s_tilde = triage.normalised_scores(self._reads, roles)  # importance (spread) or its audio share
             self._triage_cache[retention] = (roles, s_tilde, nv, na)
         return self._triage_cache[retention]
 

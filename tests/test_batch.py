@@ -110,6 +110,9 @@ def test_batched_fused_step_on_a_pool_matches_bs1(case, monkeypatch):
     if method != "full":
         assert any(x.store_summary["mb_per_step"] > 0 for x in batched.values())  # the method really moved KV
     assert pool.used_blocks == 0 < pool.peak_blocks  # every stream gave its extent back
+    # a result is made after its stream's memory went back to the pool (while the next step runs): what it
+    # records is what the stream held, not the nothing it holds by then
+    assert all(x.store_summary["audio_bytes_on_device"] > 0 for x in batched.values())
     # a new batched step is made exactly where the batch changes (a join or a leave), and its host time is a part
     # of that step's; every step (no graph on the CPU) runs the decisions and moves after its layers
     changed = [0] + [j for j in range(1, len(stats.batch_sizes)) if stats.batch_sizes[j] != stats.batch_sizes[j - 1]]

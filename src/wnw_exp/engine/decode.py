@@ -148,6 +148,7 @@ class Stream:
         # place every layer after the forward pass (`finish_prefill`) rather than layer by layer (None: with overlap)
         self.defer_place = overlap is not None if defer_place is None else bool(defer_place)
         self._done_event = None
+        self._reads = None  # `finish`'s reads of the records
         self._scores: list = []
         self.request = None  # the `Request` it decodes, in a batch (preemption puts it back in the queue)
         self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
@@ -359,13 +360,20 @@ class Stream:
         else:
             self.store.end_step()
 
+    def finish(self) -> None:
+        """The stream has ended: start reading its records from the device (its store's and its method's, with no
+        host wait: `result` takes them), before its memory goes back to the pool."""
+        if self._reads is None:
+            self._reads = (self.store.read_records(), self.policy.read_records())
+
     def result(self) -> DecodeResult:
         store, prompt = self.store, self.prompt
-        store.check()
-        steps = store.steps  # (read once: a packed store reads them from the device)
+        self.finish()
+        store_read, policy_read = self._reads
+        steps = store.records(store_read)  # (read once: a packed store reads them from the device)
         trace = dict(gpu_audio_tokens=[s.n_gpu for s in steps], h2d_bytes=[s.h2d_bytes for s in steps],
                      n_audio=prompt.n_audio, n_full=store.n_full,
-                     n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **self.policy.trace())
+                     n_prompt_text=prompt.input_ids.shape[1] - prompt.n_audio, **self.policy.trace(policy_read))
         return DecodeResult(self.tokens, self.terminated, self.step_ms, self.prefill_ms, store.summary(steps), trace,
                             self.kept if self.keep_logits else None, self.policy.knobs())
 

@@ -156,7 +156,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     reserve_tokens)` tokens (by default its `expected_new_tokens`, else 0.6 of its cap). Otherwise it waits, its
     prefill done, until a stream leaves; alone, it joins when its placed KV fits. One that cannot fit an empty pool
     is refused (`PoolFull` as its result). A running stream's dense part grows a page (one pool block per layer and
-    KV head) whenever its last page is full; where the pool has no free block for it, the most recently admitted
+    KV head) whenever its last page is full (taken while the step before runs where the pool has it, `_grow_ahead`);
+    where the pool has no free block for it, the most recently admitted
     stream is preempted (vLLM's recompute preemption: all its memory freed, its request back at the head of the
     queue, restarted from scratch later; decoding is deterministic, so its result is the same): a newer stream than
     the one asking when there is one, the one asking itself when it is the newest, so the oldest stream always
@@ -190,6 +191,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     exhausted = False
     active: list[Stream] = []
     admitting: tuple[Stream, Iterator] | None = None
+    finished: deque = deque()  # (stream, its error or None) that ended at the last step, their results to yield
     batched: dict = {}  # the fused path's runner for the current composition, and each bucket's step and graphs
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     if overlap_prefill and dev.type != "cuda":
@@ -235,6 +237,23 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                         active, batched, waiting_for_room = [], {}, False
                         continue
                     launch_s = laps.lap("step")
+            # The streams that ended at the last step: their results, from reads queued before this step's launch
+            # (`Stream.finish`), made while it runs.
+            while finished:
+                st, result = finished.popleft()
+                laps.lap("loop")
+                if result is None:
+                    try:
+                        result = st.result()
+                    except Exception as e:  # noqa: BLE001 - a check that failed at the end fails its stream
+                        result = e
+                laps.lap("finish")
+                yield st.key, result
+                laps.lap("caller")
+            if collect is not None:  # the running streams' pages for the step after this one, where the pool has them
+                laps.lap("loop")
+                _grow_ahead(active)
+                laps.lap("grow")
             # 2. Admission: the next request's set-up, a chunk of its prefill, its placement; it joins after the step.
             joining = None
             if admitting is None and (queue or arriving is not None or not exhausted) and len(active) < limit:
@@ -301,7 +320,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                     laps.lap("finish")
                     yield st.key, e
                     laps.lap("caller")
-            # 3. The step's tokens: emitted, finished streams leave; then the admitted stream joins.
+            # 3. The step's tokens: emitted; finished streams leave (their results are made while the next step runs);
+            #    then the admitted stream joins.
             if collect is not None:
                 laps.lap("loop")
                 tokens, logits = collect()
@@ -324,11 +344,11 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 if any(st.done for st in active):
                     for st in [st for st in active if st.done]:
                         stats.emitted_at[st.key] = st.emitted_at
-                        result = failed.get(id(st)) or st.result()
-                        _leave(st)
-                        laps.lap("finish")
-                        yield st.key, result
-                        laps.lap("caller")
+                        if id(st) not in failed:
+                            st.finish()
+                        _leave(st)  # its memory is free for the next step (`finish` noted what it held)
+                        finished.append((st, failed.get(id(st))))
+                    laps.lap("finish")
                     active = [st for st in active if not st.done]
                     _recompose(batched)
                     waiting_for_room = False
@@ -336,7 +356,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 stats.joined_at[joining.key] = len(stats.batch_sizes)
                 active.append(joining)
                 _recompose(batched)
-            if not active and admitting is None and arriving is None and exhausted and not queue:
+            if not active and admitting is None and arriving is None and exhausted and not queue and not finished:
                 laps.lap("loop")
                 return
 
@@ -439,6 +459,17 @@ def _grow_dense(active: list[Stream]) -> tuple[list[Stream], list[tuple[Stream, 
         _leave(victim)  # its memory is free before st asks again
         preempted.append(victim)
     return preempted, failed
+
+
+def _grow_ahead(active: list[Stream]) -> None:
+    """While a step runs: the dense page each pooled stream's next step will need, if that step comes (its length
+    cap allows it) and the pool has the blocks; where it has not, nothing is taken and `_grow_dense` asks again
+    before that step (preempting there if it must). The page tables are written after the running step in stream
+    order, so the step reads them as they were."""
+    for st in active:
+        store = st.store
+        if store.pool is not None and st.index + 2 < st.max_new_tokens:
+            store.ensure_dense(store.n_text + st.index + 2)
 
 
 def _leave(st: Stream) -> None:

@@ -31,16 +31,39 @@ def to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torc
     return t.to(device)
 
 
+class HostRead:
+    """Several device tensors of integers or booleans read to the host in one copy (each read of its own would wait
+    for the device), each in its own shape and dtype. On CUDA the copy is queued on the current stream, after the
+    work queued there so far, into pinned memory, and the host waits for it only in `get()`: a read started before
+    the next step is launched does not wait for that step."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        assert not any(t.is_floating_point() for t in tensors), "HostRead carries integers and booleans (through int64)"
+        self.shapes = [(t.shape, t.dtype, t.numel()) for t in tensors]
+        flat = torch.cat([t.reshape(-1).long() for t in tensors])
+        self.done = None
+        if flat.is_cuda:
+            self.flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.flat.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.flat = flat
+
+    def get(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        out, at = [], 0
+        for shape, dtype, n in self.shapes:
+            out.append(self.flat[at: at + n].view(shape).to(dtype))
+            at += n
+        return out
+
+
 def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Several device tensors of integers or booleans on the host in one copy (each read of its own would wait for
-    the device), each in its own shape and dtype."""
-    assert not any(t.is_floating_point() for t in tensors), "to_host carries integers and booleans (through int64)"
-    flat = torch.cat([t.reshape(-1).long() for t in tensors]).cpu()
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat[at: at + t.numel()].view(t.shape).to(t.dtype))
-        at += t.numel()
-    return out
+    """`HostRead(*tensors).get()`: the tensors on the host, now."""
+    return HostRead(*tensors).get()
 
 
 def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -113,6 +136,16 @@ class KVStore(Protocol):
 
     def check(self) -> None:
         """After decoding: raise if a move could not be made (a captured flush cannot raise when it happens)."""
+
+    def read_records(self) -> "HostRead | None":
+        """After decoding: start reading what `records` returns from the device, without waiting for it (None: a
+        store that keeps them on the host)."""
+        return None
+
+    def records(self, read: "HostRead | None" = None) -> list[StepRecord]:
+        """After decoding: `check`, then the decode steps' records (`read`: from `read_records`, called earlier)."""
+        self.check()
+        return self.steps
 
     def release_memory(self) -> None:
         """The stream has left (or was preempted): give back what it holds in a shared pool (nothing without one)."""

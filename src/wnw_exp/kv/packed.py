@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wnw_exp.kv.base import KVStore, StepAccounting, StepRecord, to_device, to_host, upload
+from wnw_exp.kv.base import HostRead, KVStore, StepAccounting, StepRecord, to_device, to_host, upload
 from wnw_exp.kv.pool import KVPool, PoolFull
 
 
@@ -154,6 +154,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         self.queued_release = torch.zeros(R, N, device=dev, dtype=torch.bool)
         self.overflow = torch.zeros((), device=dev, dtype=torch.int64)  # recalls that found no free slot
         self._union: int | None = None
+        self._released_bytes = 0  # what its audio held in the pool when `release_memory` gave it back
         self.dense_k: torch.Tensor | None = None
         self.dense_v: torch.Tensor | None = None
         self._lens = to_device([0, 1], dev, torch.long)  # one add advances both (`advance`)
@@ -420,6 +421,7 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         """The stream has left (or was preempted): give its extent and its dense pages back to the pool (the store
         must not be used after)."""
         if self.pool is not None and self.extent is not None:
+            self._released_bytes = self.audio_bytes_on_device()
             self.pool.free_many([self.extent] + [e for page in self._pages for e in page])  # in one pass
             self.extent = None
             self._pages = []
@@ -636,9 +638,12 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     def check(self) -> None:
         """Raise if a flush ever found a head's free slots too few for its recalls (a host read)."""
-        if int(self.overflow):
-            raise RuntimeError(f"recall: a head's region is full ({int(self.overflow)} rows did not fit): "
-                               "compact() with more headroom")
+        self._raise_overflow(int(self.overflow))
+
+    @staticmethod
+    def _raise_overflow(n: int) -> None:
+        if n:
+            raise RuntimeError(f"recall: a head's region is full ({n} rows did not fit): compact() with more headroom")
 
     # --- attention ----------------------------------------------------------------------------
     def attend_device(self, layer: int, q: torch.Tensor, scale: float, observe: torch.Tensor | None = None,
@@ -754,7 +759,17 @@ class PackedAudioKVStore(StepAccounting, KVStore):
 
     @property
     def steps(self) -> list[StepRecord]:
-        n, n_gpu, rows = to_host(self._n_rec, self._rec_n_gpu, self._rec_rows)  # (one host read)
+        return self._steps(*to_host(self._n_rec, self._rec_n_gpu, self._rec_rows))  # (one host read)
+
+    def read_records(self) -> HostRead:
+        return HostRead(self.overflow, self._n_rec, self._rec_n_gpu, self._rec_rows)
+
+    def records(self, read: HostRead | None = None) -> list[StepRecord]:
+        overflow, *recs = (read or self.read_records()).get()
+        self._raise_overflow(int(overflow))
+        return self._steps(*recs)
+
+    def _steps(self, n: torch.Tensor, n_gpu: torch.Tensor, rows: torch.Tensor) -> list[StepRecord]:
         n_gpu, rows = n_gpu[: int(n)].tolist(), rows[: int(n)].tolist()
         row_bytes = self.head_dim * 2 * torch.finfo(self.dtype).bits // 8
         union = self.n_gpu_cpu()
@@ -773,8 +788,8 @@ class PackedAudioKVStore(StepAccounting, KVStore):
         if self.extent is not None:  # views into the pool: the rows the extent gives the audio regions
             return sum(t.numel() * t.element_size() for t in (self.audio_k, self.audio_v, self.audio_pos)) \
                 + self.audio_len.untyped_storage().nbytes()
-        if self.audio_k is None:  # released to the pool
-            return 0
+        if self.audio_k is None:  # released to the pool: what it held until then
+            return self._released_bytes
         return sum(t.untyped_storage().nbytes() for t in (self.audio_k, self.audio_v, self.audio_pos, self.audio_len))
 
 

@@ -222,8 +222,14 @@ class Policy:
         kernels' tables), without deciding anything: what a CUDA graph captured at a batch's first step needs made
         before the capture. Nothing by default."""
 
-    def trace(self) -> dict:
-        """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable."""
+    def read_records(self):
+        """After decoding: start reading from the device what `trace` records there, without waiting for it
+        (`kv.base.HostRead`; None: a method that records nothing on the device)."""
+        return None
+
+    def trace(self, read=None) -> dict:
+        """Per-sample records for run_dir/trace/<id>.json (figures, analyses); JSON-serialisable. `read`: from
+        `read_records`, called earlier."""
         return {}
 
     def knobs(self) -> dict:

@@ -88,7 +88,7 @@ class MismatchRecorder:
         self._n_steps += 1
 
     # --- the record --------------------------------------------------------------------------------
-    def trace(self) -> dict:
+    def trace(self, read=None) -> dict:
         return {**self.inner.trace(), "mismatch": self.record()}
 
     def record(self) -> dict:

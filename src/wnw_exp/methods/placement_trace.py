@@ -137,7 +137,7 @@ class PlacementTrace:
         self.steps.append(record)
 
     # --- the record ---------------------------------------------------------------------------------------
-    def trace(self) -> dict:
+    def trace(self, read=None) -> dict:
         return {**self.inner.trace(), "placement": self.record()}
 
     def record(self) -> dict:

@@ -112,7 +112,7 @@ import torch
 
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScores, resolve_head_scores
-from wnw_exp.kv.base import KVStore, to_device, to_host
+from wnw_exp.kv.base import HostRead, KVStore, to_device
 from wnw_exp.kv.packed import queue_segments_stores
 from wnw_exp.methods import register
 from wnw_exp.methods.base import Placement, Policy, PrefillScores, SampleContext
@@ -771,9 +771,12 @@ class WnW(Policy):
                        if self.fixed_window else {}),
                     **({"max_recalled": self.max_recalled} if self.max_recalled else {}))
 
-    def trace(self) -> dict:
+    def read_records(self):
+        return HostRead(self._t, *self._rec.values()) if self.on_device else None
+
+    def trace(self, read=None) -> dict:
         if self.on_device:  # the decisions recorded on the device, as the host swap lists them
-            n, *recs = to_host(self._t, *self._rec.values())  # (one host read)
+            n, *recs = (read or self.read_records()).get()  # (one host read)
             rec = {k: r[: int(n)] for k, r in zip(self._rec, recs)}
             lists = _row_lists
             resident = rec["resident"].tolist()

@@ -483,6 +483,29 @@ def test_the_fused_prefill_layer_computes_the_hf_layer(family, kernels):
     assert li == bb.n_layers - 1
 
 
+@pytest.mark.parametrize("shape", [(4, 2, 80, (10, 60)), (8, 2, 150, (5, 140)), (6, 3, 45, (0, 40))])
+def test_the_prefill_scores_kernel_computes_the_torch_scores(shape):
+    """`triton_ops.prefill_probs` (one launch, online softmax) = `decode._probs_to_audio` (fp32 matmul, causal mask,
+    softmax, the audio columns) for the rows `prefill_scores` asks: the observation window, and the rows after the
+    audio where there are more (a prompt whose audio ends early), with grouped query heads."""
+    from wnw_exp.engine.decode import OBSERVATION_WINDOW, _probs_to_audio, prefill_scores
+
+    dev = _triton_env()
+    from wnw_exp.engine.triton_ops import prefill_probs
+
+    n_q, n_kv, T, span = shape
+    g = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(n, T, 32, generator=g).to(dev) for n in (n_q, n_kv))
+    first = min(span[1], max(0, T - OBSERVATION_WINDOW))
+    want = _probs_to_audio(q, k, span, 0.3, first)
+    got = prefill_probs(q, k, span, 0.3, first)
+    assert got.shape == want.shape == (n_q, T - first, span[1] - span[0])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    a, b = prefill_scores(q, k, span, 0.3, "triton"), prefill_scores(q, k, span, 0.3)
+    for f in ("post_audio", "last_window", "audio_keys"):
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), atol=1e-6, rtol=1e-5)
+
+
 BLOCKED = ("hydra", "omegaconf", "soxr", "soundfile", "espeakng", "jiwer")
 
 

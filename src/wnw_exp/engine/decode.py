@@ -240,7 +240,7 @@ class Stream:
                     store.write_prefill(li, k[0], v[0], span)
                     if not scored:
                         return out
-                    scores = prefill_scores(q[0], k[0], span, scale)
+                    scores = prefill_scores(q[0], k[0], span, scale, "triton" if fused is not None else "torch")
                     if self.defer_place:  # placed once the forward pass has run (`finish_prefill`): no host read
                         self._scores.append((li, scores))
                     else:
@@ -611,13 +611,20 @@ def _prepare_after_all(active: list[Stream], held: dict) -> None:
 OBSERVATION_WINDOW = 32  # SnapKV-style window: the last prompt rows, audio rows included
 
 
-def prefill_scores(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float) -> PrefillScores:
+def prefill_scores(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float,
+                   kernels: str = "torch") -> PrefillScores:
     """What every method's `place` gets for one layer: q (H_q, T, D), k (H_kv, T, D) after RoPE. The rows after the
-    audio and the last `OBSERVATION_WINDOW` rows come out of one computation over their union."""
+    audio and the last `OBSERVATION_WINDOW` rows come out of one computation over their union (with `kernels`
+    "triton", in one launch: `engine.triton_ops.prefill_probs`)."""
     T = q.shape[1]
     post, window = span[1], max(0, T - OBSERVATION_WINDOW)
     first = min(post, window)
-    probs = _probs_to_audio(q, k, span, scale, first)
+    if kernels == "triton":
+        from wnw_exp.engine.triton_ops import prefill_probs
+
+        probs = prefill_probs(q, k, span, scale, first)
+    else:
+        probs = _probs_to_audio(q, k, span, scale, first)
     return PrefillScores(probs[:, post - first:], probs[:, window - first:], k[:, span[0]:span[1]])
 
 

@@ -183,3 +183,62 @@ def rope_append_batched(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: t
                                                          pool_k, pool_v, cos_table.shape[1], dense_table.shape[2],
                                                          HQ=n_q, HKV=n_kv, D=head_dim, PAGE=int(page_rows))
     return q_out
+
+
+@triton.jit
+def _prefill_probs_kernel(q_ptr, k_ptr, out_ptr, T, first, a0, NA, R, scale, GROUP: tl.constexpr, D: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    h = tl.program_id(0)  # query head; it reads KV head h // GROUP
+    r = tl.program_id(1) * BM + tl.arange(0, BM)  # output rows: prompt rows first + r
+    t = first + r
+    ok = r < R
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (h * T + t[:, None]).to(tl.int64) * D + d[None, :], mask=ok[:, None], other=0.0)
+    kb = k_ptr + ((h // GROUP) * T).to(tl.int64) * D
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    seen = tl.minimum(first + tl.program_id(1) * BM + BM, T)  # keys the block's last row sees, causal
+    for n0 in range(0, seen, BN):  # pass 1: each row's softmax maximum and sum over every key it sees
+        n = n0 + tl.arange(0, BN)
+        kt = tl.load(kb + n[None, :].to(tl.int64) * D + d[:, None], mask=n[None, :] < T, other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, kt) * scale
+        s = tl.where(n[None, :] <= t[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        m = m_new
+    out = out_ptr + (h * R + r[:, None]).to(tl.int64) * NA
+    for c0 in range(0, NA, BN):  # pass 2: the weights at the audio keys a0 .. a0 + NA - 1
+        c = c0 + tl.arange(0, BN)
+        n = a0 + c
+        kt = tl.load(kb + n[None, :].to(tl.int64) * D + d[:, None], mask=c[None, :] < NA, other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, kt) * scale
+        p = tl.where(n[None, :] <= t[:, None], tl.exp(s - m[:, None]) / l[:, None], 0.0)
+        tl.store(out + c[None, :], p, mask=ok[:, None] & (c[None, :] < NA))
+
+
+def prefill_probs(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale: float,
+                  first_row: int) -> torch.Tensor:
+    """`engine.decode._probs_to_audio` in one launch: the softmax weights (H_q, T - first_row, n_audio), fp32, of
+    prompt rows first_row.. over every key each row sees (causal), at the audio keys span[0] .. span[1] - 1; q
+    (H_q, T, D), k (H_kv, T, D) after RoPE, query head h reading KV head h // (H_q / H_kv). One program per query
+    head and block of 16 rows, two passes over the keys (an online softmax's maximum and sum, then the weights), the
+    products accumulated in fp32 as the PyTorch version's fp32 matmul (no full fp32 copy of the keys, no (rows, T)
+    score matrix)."""
+    n_q, T, D = q.shape
+    s, e = span
+    R = T - first_row
+    out = torch.empty(n_q, max(R, 0), e - s, device=q.device, dtype=torch.float32)
+    if R <= 0 or e == s:
+        return out
+    q, k = q.contiguous(), k.contiguous()
+    bm, bn = 16, 64
+    _prefill_probs_kernel[(n_q, triton.cdiv(R, bm))](q, k, out, T, first_row, s, e - s, R, float(scale),
+                                                     GROUP=n_q // k.shape[0], D=D, BM=bm, BN=bn,
+                                                     IEEE=q.dtype == torch.float32)
+    return out

@@ -50,16 +50,24 @@ def test_placing_after_the_forward_pass_makes_the_same_decisions(method, store):
         pytest.skip(f"{method} runs on the reference store")
     path = decode_path(bb.device, _policy(method, bb), store=store, fused=False, graph=False, kernels="torch")
     streams = []
-    for defer in (False, True):
+    for defer, split in ((False, False), (True, False), (True, True)):
         st = Stream(bb, prompt, _policy(method, bb), retention=0.2, max_new_tokens=8, path=path, defer_place=defer)
-        st.prefill()
+        if split:  # the decisions in one call (one turn of decode_batch's loop), the rest of the placement in the next
+            for _ in st.prefill_layers():
+                pass
+            st.decide()
+            assert st.decided
+            st.finish_prefill()
+        else:
+            st.prefill()
         streams.append(st)
-    now, later = streams
-    assert later.defer_place and not now.defer_place
-    assert _tiers(later.store) == _tiers(now.store)
-    assert later.next_token == now.next_token and torch.equal(later.logits, now.logits)
-    assert later.policy.knobs() == now.policy.knobs()
-    assert later.store.n_gpu() < later.store.n_full  # the method really placed something
+    now = streams[0]
+    for later in streams[1:]:
+        assert later.defer_place and not now.defer_place
+        assert _tiers(later.store) == _tiers(now.store)
+        assert later.next_token == now.next_token and torch.equal(later.logits, now.logits)
+        assert later.policy.knobs() == now.policy.knobs()
+        assert later.store.n_gpu() < later.store.n_full  # the method really placed something
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="an overlapped prefill runs on a CUDA stream of its own")

@@ -13,7 +13,7 @@ import importlib.util
 import math
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -149,6 +149,7 @@ class Stream:
         self.defer_place = overlap is not None if defer_place is None else bool(defer_place)
         self._done_event = None
         self._reads = None  # `finish`'s reads of the records
+        self._decided = False  # `decide` has run
         self._scores: list = []
         self.request = None  # the `Request` it decodes, in a batch (preemption puts it back in the queue)
         self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
@@ -273,30 +274,55 @@ class Stream:
         if self._done_event is not None:
             self._done_event.synchronize()
 
+    @property
+    def decided(self) -> bool:
+        return self._decided
+
+    def decide(self) -> None:
+        """Once the forward pass has run (`prefill_ready`): with `defer_place`, the method's placement of every
+        layer, in layer order, launched (on `place_stream` where set, else on `overlap`); once. `finish_prefill`
+        runs it first where it has not run; called a turn of the loop before it, its device work is done by the
+        time the compaction reads the residency back."""
+        if not self._decided:
+            with self._on_place_stream():
+                self._decide()
+
     def finish_prefill(self, reserve_blocks: int = 0) -> None:
-        """With `defer_place`, the method's placement of every layer (in layer order; once); the store's compaction
-        (frees the dropped rows; may raise PoolFull, `reserve_blocks` of its pool kept free, changing nothing: it can
-        be called again), the decisions in force at decode step 0, the first token's logits. On `place_stream` where
-        set, else on `overlap`."""
-        stream = self.place_stream if self.place_stream is not None else self.overlap
-        if self.place_stream is not None:  # (the forward pass on `overlap` has run: `prefill_ready`)
-            self.place_stream.wait_stream(self.overlap)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        """`decide` where it has not run; the store's compaction (frees the dropped rows; may raise PoolFull,
+        `reserve_blocks` of its pool kept free, changing nothing: it can be called again), the decisions in force at
+        decode step 0, the first token's logits. On `place_stream` where set, else on `overlap`."""
+        with self._on_place_stream() as stream:
             self._finish_prefill(reserve_blocks)
         if stream is not None:  # the decode steps (current stream) read what this stream wrote
             torch.cuda.current_stream(self.backbone.device).wait_stream(stream)
 
-    def _finish_prefill(self, reserve_blocks: int) -> None:
+    @contextmanager
+    def _on_place_stream(self):
+        stream = self.place_stream if self.place_stream is not None else self.overlap
+        if self.place_stream is not None:  # (the forward pass on `overlap` has run: `prefill_ready`)
+            self.place_stream.wait_stream(self.overlap)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            yield stream
+
+    def _decide(self) -> None:
         if self._done_event is not None:  # the forward pass's device time (it shared the GPU with decode steps)
             self._done_event.synchronize()
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
         t0 = time.perf_counter()
-        lap = Laps(self.place_s).lap
         placed = self.policy.place_all(self._scores)
         apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
-        lap("decide")
+        self._decided = True
+        dt = time.perf_counter() - t0
+        self.place_s["decide"] = self.place_s.get("decide", 0.0) + dt
+        self.prefill_ms += dt * 1e3
+
+    def _finish_prefill(self, reserve_blocks: int) -> None:
+        if not self._decided:
+            self._decide()
+        t0 = time.perf_counter()
+        lap = Laps(self.place_s).lap
         if reserve_blocks:
             self.store.compact(headroom=self.policy.recall_headroom, reserve_blocks=reserve_blocks)
         else:

@@ -167,7 +167,9 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     prefill. With `overlap_prefill` (None: on CUDA) a request that arrives while streams run is prefilled on a
     CUDA stream of its own: its layers are launched (`prefill_chunk_layers` at a time) between decode steps and
     run on the GPU beside them; its placement and admission wait until its forward pass is done
-    (`Stream.prefill_ready`), the running streams decoding meanwhile.
+    (`Stream.prefill_ready`), the running streams decoding meanwhile; the placement's decisions are launched in
+    one turn of the loop (`Stream.decide`) and its compaction and first token come in the next, so the
+    compaction's host read finds that work done and no turn holds the whole placement's host time.
 
     Each stream has its own policy (`make_policy()`, e.g. `Policy.fork`), store, positions and tokens, so its
     result does not depend on the others: on the reference path each stream steps on its own (`TorchStep`, as
@@ -298,7 +300,10 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                         stats.prefill_ms_between_steps.append(dt * 1e3)
                     if done_layers and not active and not st.prefill_ready():  # nothing to decode meanwhile
                         st.wait_prefill()
-                    if done_layers and not waiting_for_room and st.prefill_ready():
+                    if done_layers and active and st.overlap is not None and not st.decided and st.prefill_ready():
+                        st.decide()  # the placement's decisions this turn; compaction and first token at the next
+                        laps.lap("place")
+                    elif done_layers and not waiting_for_room and st.prefill_ready():
                         joined = _admit(st, active, stats)
                         laps.lap("place")
                         waiting_for_room = joined is None  # retried once a stream has left

@@ -803,7 +803,9 @@ def test_bucket_sizes():
 def test_batched_step_in_triton_on_a_paged_pool_with_preemption(monkeypatch):
     """The whole batched step with its Triton kernels (WnW) on a pool of 4-row blocks with room for the two streams'
     placed KV and one dense page more: a page given mid-answer to the first, the second (the newest) preempted when
-    it needs one and restarted alone; both give bs 1's tokens and traces on the same kernels."""
+    it needs one and restarted alone; both give bs 1's tokens and traces on the same kernels. The prefill runs between
+    the steps on CUDA too (the scenario rests on the step the second stream joins at, which an overlapped prefill
+    moves by the turns its forward pass and its placement take: `test_overlap_prefill` covers that path)."""
     dev = _triton_device()
     interpreted_prefill_in_torch(monkeypatch)
     bb = _backbone("voxtral")
@@ -813,7 +815,8 @@ def test_batched_step_in_triton_on_a_paged_pool_with_preemption(monkeypatch):
     placed = _placed_blocks(bb, "wnw", dict(store="packed", fused=True, kernels="torch"), _prompts(bb, seconds))
     pool = KVPool((sum(placed) + bb.n_layers * bb.n_kv_heads) * 4, bb.head_dim, bb.dtype, dev, block=4)
     calls = _counting_page_allocs(pool)
-    solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=caps, seconds=seconds, reserve_tokens=0)
+    solo, batched, stats = _solo_and_batched(bb, "wnw", path, pool=pool, caps=caps, seconds=seconds, reserve_tokens=0,
+                                             overlap_prefill=False)
     assert max(stats.batch_sizes) == 2 and stats.preempted == [1]
     assert len(calls) > 2 * 3  # a page beyond the prompts' (2 each, three admissions)
     tol = 1e-4 if not HAS_CUDA else 5e-3

@@ -157,11 +157,10 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     prefill done, until a stream leaves; alone, it joins when its placed KV fits. One that cannot fit an empty pool
     is refused (`PoolFull` as its result). A running stream's dense part grows a page (one pool block per layer and
     KV head) whenever its last page is full (taken while the step before runs where the pool has it, `_grow_ahead`);
-    where the pool has no free block for it, the most recently admitted
-    stream is preempted (vLLM's recompute preemption: all its memory freed, its request back at the head of the
-    queue, restarted from scratch later; decoding is deterministic, so its result is the same): a newer stream than
-    the one asking when there is one, the one asking itself when it is the newest, so the oldest stream always
-    goes on. A stream that needs a page when it runs alone fails (`PoolFull`: the pool cannot hold its answer),
+    where the pool has no free block for it, the most recently admitted stream is preempted (vLLM's recompute
+    preemption: all its memory freed, its request back at the head of the queue, restarted from scratch later;
+    decoding is deterministic, so its result is the same): a newer stream than the one asking when there is one,
+    the one asking itself when it is the newest, so the oldest stream always goes on. A stream that needs a page when it runs alone fails (`PoolFull`: the pool cannot hold its answer),
     alone. `stats.preempted` records the preemptions. Prefill runs `prefill_chunk_layers` layers between two
     decode steps (None: a whole prefill at once), so an admission does not stall the running streams for a whole
     prefill. With `overlap_prefill` (None: on CUDA) a request that arrives while streams run is prefilled on a
@@ -351,7 +350,7 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                         stats.emitted_at[st.key] = st.emitted_at
                         if id(st) not in failed:
                             st.finish()
-                        _leave(st)  # its memory is free for the next step (`finish` noted what it held)
+                        _leave(st)  # its memory is free for the next step (its store keeps what it held for the result)
                         finished.append((st, failed.get(id(st))))
                     laps.lap("finish")
                     active = [st for st in active if not st.done]

@@ -1069,8 +1069,11 @@ def test_serving_benchmark_smoke(tmp_path):
         assert x["steps_eager"] == x["steps"] and x["steps_replay"] == x["steps_capture"] == 0
         assert 0 < x["step_s_eager"] and x["step_s_eager"] + x["prefill_s_between_steps"] <= x["wall_s"]
         # every wall second in one named part of the engine's loop, the steps' part their sum
+        # (a smoke run lasts ~0.2 s: the caller's few lines around the loop, and a collector pass there, can take a
+        # few ms of it)
         parts = sum(v for k, v in x.items() if k.startswith("wall_s_"))
-        assert parts == pytest.approx(x["wall_s"], rel=0.02) and x["wall_s_step"] == pytest.approx(x["step_s_eager"])
+        assert parts == pytest.approx(x["wall_s"], rel=0.02, abs=0.01)
+        assert x["wall_s_step"] == pytest.approx(x["step_s_eager"])
         place = [x[f"place_s_{p}"] for p in ("decide", "compact", "start", "first", "wait")]
         assert min(place) > 0 and sum(place) <= x["wall_s_place"]
         assert x["tokens_per_s_whole"] == pytest.approx(x["tokens_per_s"], rel=0.02)

@@ -361,8 +361,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                 active.append(joining)
                 _recompose(batched)
             if not active and admitting is None and arriving is None and exhausted and not queue and not finished:
-                laps.lap("loop")
-                return
+                break
+    laps.lap("loop")  # (after the collector's watch has ended: its exit is part of the wall too)
 
 
 def _recompose(batched: dict) -> None:

@@ -483,19 +483,21 @@ def test_the_fused_prefill_layer_computes_the_hf_layer(family, kernels):
     assert li == bb.n_layers - 1
 
 
-@pytest.mark.parametrize("shape", [(4, 2, 80, (10, 60)), (8, 2, 150, (5, 140)), (6, 3, 45, (0, 40))])
+@pytest.mark.parametrize("shape", [(4, 2, 80, (10, 60), 32), (8, 2, 150, (5, 140), 32), (6, 3, 45, (0, 40), 32),
+                                   (4, 2, 70, (10, 50), 8)])
 def test_the_prefill_scores_kernel_computes_the_torch_scores(shape):
     """`triton_ops.prefill_probs` (one launch, online softmax) = `decode._probs_to_audio` (fp32 matmul, causal mask,
     softmax, the audio columns) for the rows `prefill_scores` asks: the observation window, and the rows after the
-    audio where there are more (a prompt whose audio ends early), with grouped query heads."""
+    audio where there are more (a prompt whose audio ends early), with grouped query heads; a head_dim under 16 (the
+    tiny models') multiplies without `tl.dot`."""
     from wnw_exp.engine.decode import OBSERVATION_WINDOW, _probs_to_audio, prefill_scores
 
     dev = _triton_env()
     from wnw_exp.engine.triton_ops import prefill_probs
 
-    n_q, n_kv, T, span = shape
+    n_q, n_kv, T, span, D = shape
     g = torch.Generator().manual_seed(T)
-    q, k = (torch.randn(n, T, 32, generator=g).to(dev) for n in (n_q, n_kv))
+    q, k = (torch.randn(n, T, D, generator=g).to(dev) for n in (n_q, n_kv))
     first = min(span[1], max(0, T - OBSERVATION_WINDOW))
     want = _probs_to_audio(q, k, span, 0.3, first)
     got = prefill_probs(q, k, span, 0.3, first)

@@ -149,7 +149,7 @@ class Stream:
         self.defer_place = overlap is not None if defer_place is None else bool(defer_place)
         self._done_event = None
         self._reads = None  # `finish`'s reads of the records
-        self._decided = False  # `decide` has run
+        self.decided = False  # `decide` has run
         self._scores: list = []
         self.request = None  # the `Request` it decodes, in a batch (preemption puts it back in the queue)
         self.max_new_tokens, self.keep_logits = max_new_tokens, keep_logits
@@ -274,16 +274,12 @@ class Stream:
         if self._done_event is not None:
             self._done_event.synchronize()
 
-    @property
-    def decided(self) -> bool:
-        return self._decided
-
     def decide(self) -> None:
         """Once the forward pass has run (`prefill_ready`): with `defer_place`, the method's placement of every
         layer, in layer order, launched (on `place_stream` where set, else on `overlap`); once. `finish_prefill`
         runs it first where it has not run; called a turn of the loop before it, its device work is done by the
         time the compaction reads the residency back."""
-        if not self._decided:
+        if not self.decided:
             with self._on_place_stream():
                 self._decide()
 
@@ -309,17 +305,15 @@ class Stream:
             self._done_event.synchronize()
             self.prefill_ms += self._t0_event.elapsed_time(self._done_event)
             self._done_event = None
-        t0 = time.perf_counter()
+        lap = Laps(self.place_s).lap
         placed = self.policy.place_all(self._scores)
         apply_placements(self.store, placed)  # consecutive layers in one call each
         self._scores = []
-        self._decided = True
-        dt = time.perf_counter() - t0
-        self.place_s["decide"] = self.place_s.get("decide", 0.0) + dt
-        self.prefill_ms += dt * 1e3
+        self.decided = True
+        self.prefill_ms += lap("decide") * 1e3
 
     def _finish_prefill(self, reserve_blocks: int) -> None:
-        if not self._decided:
+        if not self.decided:
             self._decide()
         t0 = time.perf_counter()
         lap = Laps(self.place_s).lap

@@ -186,8 +186,17 @@ def rope_append_batched(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: t
 
 
 @triton.jit
+def _row_scores(q, kt, scale, PRECISION: tl.constexpr):
+    """Scores (BM, BN), fp32, of a block of query rows q (BM, D) against a block of keys kt (D, BN), times `scale`:
+    `tl.dot` at `kv.triton_attention.dot_precision`, or ("fma", head_dim < 16) products summed in fp32."""
+    if PRECISION == "fma":
+        return tl.sum(q.to(tl.float32)[:, :, None] * kt.to(tl.float32)[None, :, :], axis=1) * scale
+    return tl.dot(q, kt, input_precision=PRECISION).to(tl.float32) * scale
+
+
+@triton.jit
 def _prefill_probs_kernel(q_ptr, k_ptr, out_ptr, T, first, a0, NA, R, scale, GROUP: tl.constexpr, D: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(0)  # query head; it reads KV head h // GROUP
     r = tl.program_id(1) * BM + tl.arange(0, BM)  # output rows: prompt rows first + r
     t = first + r
@@ -201,11 +210,7 @@ def _prefill_probs_kernel(q_ptr, k_ptr, out_ptr, T, first, a0, NA, R, scale, GRO
     for n0 in range(0, seen, BN):  # pass 1: each row's softmax maximum and sum over every key it sees
         n = n0 + tl.arange(0, BN)
         kt = tl.load(kb + n[None, :].to(tl.int64) * D + d[:, None], mask=n[None, :] < T, other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, kt) * scale
-        s = tl.where(n[None, :] <= t[:, None], s, float("-inf"))
+        s = tl.where(n[None, :] <= t[:, None], _row_scores(q, kt, scale, PRECISION), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m = m_new
@@ -214,10 +219,7 @@ def _prefill_probs_kernel(q_ptr, k_ptr, out_ptr, T, first, a0, NA, R, scale, GRO
         c = c0 + tl.arange(0, BN)
         n = a0 + c
         kt = tl.load(kb + n[None, :].to(tl.int64) * D + d[:, None], mask=c[None, :] < NA, other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, kt) * scale
+        s = _row_scores(q, kt, scale, PRECISION)
         p = tl.where(n[None, :] <= t[:, None], tl.exp(s - m[:, None]) / l[:, None], 0.0)
         tl.store(out + c[None, :], p, mask=ok[:, None] & (c[None, :] < NA))
 
@@ -230,6 +232,8 @@ def prefill_probs(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale
     head and block of 16 rows, two passes over the keys (an online softmax's maximum and sum, then the weights), the
     products accumulated in fp32 as the PyTorch version's fp32 matmul (no full fp32 copy of the keys, no (rows, T)
     score matrix)."""
+    from wnw_exp.kv.triton_attention import dot_precision
+
     n_q, T, D = q.shape
     s, e = span
     R = T - first_row
@@ -240,5 +244,5 @@ def prefill_probs(q: torch.Tensor, k: torch.Tensor, span: tuple[int, int], scale
     bm, bn = 16, 64
     _prefill_probs_kernel[(n_q, triton.cdiv(R, bm))](q, k, out, T, first_row, s, e - s, R, float(scale),
                                                      GROUP=n_q // k.shape[0], D=D, BM=bm, BN=bn,
-                                                     IEEE=q.dtype == torch.float32)
+                                                     PRECISION=dot_precision(q.dtype, D))
     return out

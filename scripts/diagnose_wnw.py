@@ -124,6 +124,30 @@ def trace(ids: list[str], out: Path, overrides: list[str]) -> None:
               f"{res.store_summary['r_gpu']:.4f} -> {out / (sample_id + '.json')}", flush=True)
 
 
+OFFSET_BINS = (("behind, 3+", -10**9, -3), ("-2..-1", -2, -1), ("0", 0, 0), ("+1", 1, 1), ("+2..+6", 2, 6),
+               ("ahead, 7+", 7, 10**9))
+
+
+def offset_mass(placement: dict, emitted: list[int | None]) -> dict:
+    """Per offset bin (segments relative to the word being emitted; the first segment, the audio's sink, apart):
+    `share`, the bin's part of the tidal heads' true audio mass summed over the steps that emit a word, and `kept`,
+    the part of the bin's mass that is resident."""
+    import numpy as np
+
+    mass, lost = np.asarray(placement["segment_mass"]), np.asarray(placement["segment_lost"])
+    sums = {name: [0.0, 0.0] for name in ["sink"] + [b[0] for b in OFFSET_BINS]}
+    for step, e in enumerate(emitted):
+        if e is None:
+            continue
+        for seg in range(mass.shape[1]):
+            name = "sink" if seg == 0 else next(b[0] for b in OFFSET_BINS if b[1] <= seg - e <= b[2])
+            sums[name][0] += float(mass[step, seg])
+            sums[name][1] += float(lost[step, seg])
+    total = sum(m for m, _ in sums.values()) or 1.0
+    return {name: dict(share=round(m / total, 3), kept=round(1 - l / m, 3) if m > 0 else None)
+            for name, (m, l) in sums.items()}
+
+
 def events(record: dict, ahead: int = 3) -> dict:
     """What the trace shows, in steps: `jumps`, the steps where the tidal heads' true focus leaves the word being
     emitted for a segment more than `ahead` segments further on (the first step of each such run, with where the
@@ -131,7 +155,11 @@ def events(record: dict, ahead: int = 3) -> dict:
     whose true focus segment is not recalled) and `n_miss`; `kept_tidal` (per step, the tidal heads' mean mass
     kept) and `kept_all` (per step, the share of all heads' full-cache audio attention that is resident: every
     head's kept mass weighted by its audio share); and, at the first jump (else the first miss), the five heads that
-    lose the most audio attention over the ten steps before it (the mean of (1 - kept) x audio share)."""
+    lose the most audio attention over the ten steps before it (the mean of (1 - kept) x audio share). `skips`: the
+    steps where the text itself leaves its passage, the word being emitted landing more than `ahead` segments after
+    the last one emitted (the true focus moving with it is not a `jump`). `by_offset`: where the tidal heads' true
+    audio mass lies relative to the segment of the word being emitted, over the steps that emit a word, and how much
+    of each part is resident (`offset_mass`)."""
     import numpy as np
 
     p = record["placement"]
@@ -154,6 +182,13 @@ def events(record: dict, ahead: int = 3) -> dict:
             out["jumps"].append(dict(step=i, emitted_segment=last, true_segment=seg,
                                      anchor_chunk=p["anchor_chunk"][i], recalled=bool(p["hit"][i])))
         away = now
+    last = None
+    out["skips"] = []
+    for i, seg in enumerate(emitted):
+        if seg is not None and last is not None and seg - last > ahead:
+            out["skips"].append(dict(step=i, from_segment=last, to_segment=seg))
+        last = seg if seg is not None else last
+    out["by_offset"] = offset_mass(p, emitted)
     at = out["jumps"][0]["step"] if out["jumps"] else out["first_miss"]
     if at is not None:
         lost = ((1 - kept) * share)[max(0, at - 10):at + 1].mean(axis=0)
@@ -197,7 +232,7 @@ def figure(paths: list[Path], out: Path) -> None:
         for jump in f["jumps"]:
             for a in axes[:, col]:
                 a.axvline(jump["step"], ls="--", c="tab:purple", lw=0.8)
-        ax.set_title(f"{r['id']}: WnW r=0.2, WER {r['wer']:.1f}%", fontsize=10)
+        ax.set_title(f"{r['id']}: WnW r={r['config']['retention']:g}, WER {r['wer']:.1f}%", fontsize=10)
         ax.set_ylabel("audio position (s)")
         ax2 = axes[1, col]
         ax2.plot(steps, f["kept_tidal"], c="tab:blue", lw=0.8, label="tidal heads, mean")

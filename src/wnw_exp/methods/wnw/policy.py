@@ -158,7 +158,8 @@ class WnW(Policy):
                  selection: str = "segment", chunk_seconds: float = 4.0, stride_seconds: float = 2.0,
                  top_k: int = 3, delta: int = 3, recall_budget: str = "peak", mobility: float | str = "auto",
                  quota: str = "floor", swap_start: str = "prefill", head_scale: str = "importance", lag: int = 1,
-                 fixed_window: int = 0, max_recalled: int = 0, backbone_info: dict | None = None, scores=None):
+                 fixed_window: int = 0, max_recalled: int = 0, locality: int = 0, backbone_info: dict | None = None,
+                 scores=None):
         """`scores`: a HeadScores object (tests), instead of loading `head_scores`."""
         if lag not in (1, 2):
             raise ValueError(f"method.lag={lag!r}: 1 (a decision after step s is in force at s + 1) or 2 (pipelined)")
@@ -206,6 +207,11 @@ class WnW(Policy):
                              f">= {least} (one step's selection: top_k={self.top_k} chunks of "
                              f"{least // self.top_k} segments)")
         self.max_recalled = max_recalled
+        if (isinstance(locality, bool) or not isinstance(locality, int) or locality < 0
+                or 0 < locality < self.top_k - 1):
+            raise ValueError(f"method.locality={locality!r}: 0 (off, the paper) or the most chunks from the anchors' "
+                             f"focus that the other chunks of a selection may lie, >= top_k - 1 = {self.top_k - 1}")
+        self.locality = locality
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         if head_scale in ("spread", "reading"):  # what sizes the shares (a file without it fails here, in one line)
@@ -282,7 +288,8 @@ class WnW(Policy):
         self._check_chunks(ctx.token_rate)
         vars(self).update(self._solution(ctx))
         n_a = ctx.n_audio
-        self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, self.max_recalled)
+        self.swap = triage.ChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, self.max_recalled,
+                                     self.locality)
         self.scores_acc = torch.zeros(n_a, device=ctx.device)
         self._offloaded: dict[tuple[int, int], torch.Tensor] = {}  # tidal head -> its host-tier positions (sorted)
         self._unread: list[tuple[int, list[int], torch.Tensor]] = []  # placed layers whose masks `offloaded` reads
@@ -305,7 +312,7 @@ class WnW(Policy):
         if self.on_device:
             dev, n_steps = ctx.device, store.dense_capacity + 2  # every decision of the sample (prefill's included)
             self.device_swap = triage.DeviceChunkSwap(n_a, self.n_s, self.n_c, self.top_k, self.delta, dev,
-                                                      self.max_recalled)
+                                                      self.max_recalled, self.locality)
             n_seg, n_ch = self.device_swap.n_seg, self.device_swap.n_chunks
             self._t = torch.zeros((), dtype=torch.long, device=dev)  # decisions made so far
             self._rec = dict(selected=torch.zeros(n_steps, n_ch, dtype=torch.bool, device=dev),
@@ -769,7 +776,8 @@ class WnW(Policy):
                     head_scores=self.scores.path, **({"lag": self.lag} if self.lag != 1 else {}),
                     **({"fixed_window": self.fixed_window, "n_window": int(self.window.sum())}
                        if self.fixed_window else {}),
-                    **({"max_recalled": self.max_recalled} if self.max_recalled else {}))
+                    **({"max_recalled": self.max_recalled} if self.max_recalled else {}),
+                    **({"locality": self.locality} if self.locality else {}))
 
     def read_records(self):
         return HostRead(self._t, *self._rec.values()) if self.on_device else None

@@ -577,9 +577,14 @@ class ChunkSwap:
     decision: where the rule above leaves more, the idle recalled segments (in no selected chunk) go early, the
     longest unselected first, ties to the least mean attention of this step's A over the segment, then the
     earlier segment. The cap must hold one step's selection (`smallest_recall_cap`).
+
+    `locality` > 0 (`method.locality`, beyond the paper; 0 is the paper) keeps a selection near the anchors' focus:
+    the top chunk is chosen as before, the other top_k - 1 among the chunks at most `locality` chunks from it (by
+    the same mean, ties to the earlier chunk). At least top_k - 1, so the window always holds top_k chunks.
     """
 
-    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int = 3, delta: int = 3, max_recalled: int = 0):
+    def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int = 3, delta: int = 3, max_recalled: int = 0,
+                 locality: int = 0):
         self.segments = segment_bounds(n_audio, n_s) if n_audio else []
         self.chunks = chunk_bounds(n_audio, n_c, n_s)
         self.chunk_segments = [list(range(cs // n_s, (ce - 1) // n_s + 1)) for cs, ce in self.chunks]
@@ -588,6 +593,10 @@ class ChunkSwap:
             raise ValueError(f"method.max_recalled={max_recalled}: one step selects up to {least} segments "
                              f"(top_k={top_k} chunks of {math.ceil(n_c / n_s)} segments); use 0 (no cap) or >= {least}")
         self.max_recalled = int(max_recalled)
+        if locality and locality < top_k - 1:
+            raise ValueError(f"method.locality={locality}: the other top_k - 1 = {top_k - 1} chunks must fit beside the "
+                             f"focus; use 0 (off) or >= {top_k - 1}")
+        self.locality = int(locality)
         self._seg_starts = np.array([s for s, _ in self.segments], np.int64)
         self._seg_ends = np.array([e for _, e in self.segments], np.int64)
         self.recalled = np.zeros(len(self.segments), dtype=bool)
@@ -605,9 +614,11 @@ class ChunkSwap:
         np.cumsum(a, dtype=np.float64, out=c[1:])
         mean = (c[self._ends] - c[self._starts]) / (self._ends - self._starts)
         k = min(self.top_k, len(self.chunks))
-        order = np.argsort(-mean, kind="stable")[:k]
+        order = np.argsort(-mean, kind="stable")
         self.focus = int(order[0])  # the anchors' focus: the top chunk (`window_segments`)
-        return sorted(order.tolist())
+        if self.locality:  # (a stable filter of the same order: the focus stays first)
+            order = order[np.abs(order - self.focus) <= self.locality]
+        return sorted(order[:k].tolist())
 
     def update(self, selected_chunks: list[int]) -> tuple[list[int], list[int]]:
         wanted = sorted({s for c in selected_chunks for s in self.chunk_segments[c]})
@@ -654,10 +665,13 @@ class DeviceChunkSwap:
     """
 
     def __init__(self, n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, device: torch.device,
-                 max_recalled: int = 0):
-        host = ChunkSwap(n_audio, n_s, n_c, top_k, delta, max_recalled)
+                 max_recalled: int = 0, locality: int = 0):
+        host = ChunkSwap(n_audio, n_s, n_c, top_k, delta, max_recalled, locality)
         self.n_seg, self.n_chunks = len(host.segments), len(host.chunks)
         self.k, self.delta, self.max_recalled = min(top_k, self.n_chunks), delta, host.max_recalled
+        self.locality = host.locality
+        if self.locality:
+            self.chunk_index = torch.arange(self.n_chunks, device=device)
         if self.max_recalled:
             self.seg_starts, self.seg_ends = to_device(host._seg_starts, device), to_device(host._seg_ends, device)
             self.seg_length = (self.seg_ends - self.seg_starts).double()
@@ -676,7 +690,11 @@ class DeviceChunkSwap:
     def step(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         torch.cumsum(a.double(), 0, out=self._c[1:])
         mean = (self._c[self.ends] - self._c[self.starts]) / self.length
-        top = self.top = torch.sort(-mean, stable=True).indices[: self.k]  # top[0]: the anchors' focus chunk
+        top = torch.sort(-mean, stable=True).indices
+        if self.locality:  # the others near the focus (`ChunkSwap`): the far chunks sorted last, the order kept
+            far = (self.chunk_index - top[0]).abs() > self.locality
+            top = top[torch.sort(far[top].to(torch.int8), stable=True).indices]
+        top = self.top = top[: self.k]  # top[0]: the anchors' focus chunk
         selected = torch.zeros(self.n_chunks, dtype=torch.bool, device=a.device).index_fill_(0, top, True)
         wanted = (self.member & selected[:, None]).any(dim=0)
         recall = wanted & ~self.recalled

@@ -8,7 +8,8 @@ store queues the moves they ask for (`kv.packed.queue_segments_stores`). Each pr
 
 1. sums each chunk's anchor scores in float64, in order (chunk c covers tokens [c n_s, min(c n_s + n_c, N))) and
    divides by the chunk's length: the chunk means;
-2. picks the top_k chunks, one argmax at a time, ties to the earlier chunk (the host's stable sort);
+2. picks the top_k chunks, one argmax at a time, ties to the earlier chunk (the host's stable sort); with
+   `locality` > 0 the chunks more than `locality` chunks from the first (the focus) leave the race after it;
 3. runs the segment state machine: a segment is wanted when a selected chunk covers it; recall = wanted and not
    recalled; a recalled segment no chosen chunk covers for `delta` consecutive steps is released; with a cap
    (`max_recalled` > 0) the idle segments over it go too, longest unselected first, then the least mean score over
@@ -32,8 +33,8 @@ from wnw_exp.methods.wnw.triage import smallest_recall_cap
 
 # The fields of a stream's row in `ChunkSwapTables.ptrs`: its decision's tensors (addresses), then its sizes.
 (_A, _RECALLED, _UNSEL, _SEL, _RECALL, _RELEASE, _T, _R_SEL, _R_RECALL, _R_RELEASE, _R_RES, _N, _NS, _NC, _TOPK,
- _DELTA, _CAP) = (tl.constexpr(j) for j in range(17))
-NF = 17  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
+ _DELTA, _CAP, _LOC) = (tl.constexpr(j) for j in range(18))
+NF = 18  # (Python's; the kernels read `_NF`: a plain global int is not a constant to the Triton compiler)
 _NF = tl.constexpr(NF)
 
 
@@ -51,7 +52,7 @@ def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.
         rec_release_ptr = table_field(tbl, st, _R_RELEASE, tl.int8, _NF)
         N, n_s = tl.load(tbl + st * _NF + _N), tl.load(tbl + st * _NF + _NS)
         n_c, top_k = tl.load(tbl + st * _NF + _NC), tl.load(tbl + st * _NF + _TOPK)
-        delta = tl.load(tbl + st * _NF + _DELTA)
+        delta, loc = tl.load(tbl + st * _NF + _DELTA), tl.load(tbl + st * _NF + _LOC)
         n_seg = (N + n_s - 1) // n_s
         # chunks: start c * n_s while the previous chunk ended before N
         n_ch = tl.maximum((tl.maximum(N - n_c, 0) + n_s - 1) // n_s + 1, 1)
@@ -76,6 +77,8 @@ def _chunk_swap_kernel(tbl, C_PAD: tl.constexpr, S_PAD: tl.constexpr, K_MAX: tl.
             take = it < k
             selected = selected | ((c == best) & take)
             mean = tl.where(c == best, float("-inf"), mean)
+            far = (loc > 0) & (it == 0) & (tl.abs(c - best) > loc)  # `locality`: the others near the focus
+            mean = tl.where(far, float("-inf"), mean)
             # segments of chunk `best`: from its first token's to its last token's
             b_start = best.to(tl.int64) * n_s
             b_end = tl.minimum(b_start + n_c, N)
@@ -168,7 +171,7 @@ class ChunkSwapTables:
                   r["selected"], r["recall"], r["release"], r["resident"]]
             keep += ts
             rows.append([x.data_ptr() for x in ts] + [fused.n_audio, fused.n_s, fused.n_c, fused.top_k, fused.delta,
-                                                      fused.max_recalled])
+                                                      fused.max_recalled, fused.locality])
         self.table.write(rows, keep)
         self.key = self.key_of(parts)
         return True
@@ -192,7 +195,7 @@ class FusedChunkSwap:
         dev = swap.recalled.device
         self.swap, self.records, self.t = swap, records, t
         self.n_s, self.n_c, self.top_k, self.delta = n_s, n_c, top_k, delta
-        self.max_recalled = swap.max_recalled
+        self.max_recalled, self.locality = swap.max_recalled, swap.locality
         self.n_audio = swap._c.shape[0] - 1
         # the kernel derives the segment and chunk counts (its record widths) from n_audio, n_s and n_c
         assert swap.n_seg == triton.cdiv(self.n_audio, n_s)

@@ -232,7 +232,10 @@ def figure(paths: list[Path], out: Path) -> None:
         for jump in f["jumps"]:
             for a in axes[:, col]:
                 a.axvline(jump["step"], ls="--", c="tab:purple", lw=0.8)
-        ax.set_title(f"{r['id']}: WnW r={r['config']['retention']:g}, WER {r['wer']:.1f}%", fontsize=10)
+        options = ", ".join(f"{k}={r['config']['method'][k]}" for k in ("head_scale", "max_recalled", "locality")
+                            if r["config"]["method"].get(k) not in (None, 0, "importance"))
+        ax.set_title(f"{r['id']}: WER {r['wer']:.1f}%\nWnW r={r['config']['retention']:g}"
+                     f"{', ' + options if options else ''}", fontsize=9)
         ax.set_ylabel("audio position (s)")
         ax2 = axes[1, col]
         ax2.plot(steps, f["kept_tidal"], c="tab:blue", lw=0.8, label="tidal heads, mean")

@@ -80,6 +80,9 @@ shared by all tidal heads (they all follow the same anchor signal):
   positions it recalled leave the device again, so the segment returns to its prefill-selected subset.
   Prefill-selected positions are never released: they are the GPU-side starting point of each segment
   (§2.3: "a stable initial state for chunk swap"); only the recalled complement waxes and wanes.
+`locality` (beyond the paper; 0, off, is the paper) chooses the other top_k - 1 chunks of a decision among those at
+most `locality` chunks from the top one (`triage.ChunkSwap`), so a far chunk where the anchors put secondary
+attention is not recalled in full (docs/diagnosis.md); the recall room and λ are unchanged.
 The decisions made after step s take effect at step s + 1 (`lag: 1`, §2.3); `lag: 2`, the pipelined variant, puts
 them in force one step later (an option of the benchmark, not of the paper).
 
@@ -209,8 +212,8 @@ class WnW(Policy):
         self.max_recalled = max_recalled
         if (isinstance(locality, bool) or not isinstance(locality, int) or locality < 0
                 or 0 < locality < self.top_k - 1):
-            raise ValueError(f"method.locality={locality!r}: 0 (off, the paper) or the most chunks from the anchors' "
-                             f"focus that the other chunks of a selection may lie, >= top_k - 1 = {self.top_k - 1}")
+            raise ValueError(f"method.locality={locality!r}: 0 (off, the paper) or how many chunks from the anchors' "
+                             f"focus the other chunks of a decision may lie, >= top_k - 1 = {self.top_k - 1}")
         self.locality = locality
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)

@@ -124,3 +124,50 @@ def test_the_knob_reaches_the_swap_and_the_knobs():
 def test_bad_locality_is_refused_in_one_line(bad):
     with pytest.raises(ValueError, match=r"^method.locality=.*: 0 \(off, the paper\) or .* >= top_k - 1 = 2$"):
         WnW(scores=scores_for(np.ones((1, 2)), np.ones((1, 2))), locality=bad)
+
+
+N_AUDIO, N_S = 400, 10  # 40 segments, chunks of 20 tokens every 10
+
+
+def _setup(store_cls, locality):
+    from helpers import placed_two_layer_sample
+
+    scores = scores_for([[1.0, 0.2], [0.1, 0.5]], np.ones((2, 2)))  # anchor (0,0), tidal (0,1), (1,0), (1,1)
+    policy = WnW(scores=scores, n_voice=4, n_anchor=1, lam=0.3, chunk_seconds=1.6, stride_seconds=0.8, top_k=2,
+                 delta=3, max_recalled=4, locality=locality)
+    return placed_two_layer_sample(policy, store_cls, N_AUDIO, 0.5)
+
+
+def _step(policy, s):
+    """The anchor reads forward from token 40 (chunk 4 on), with a weaker peak 170 tokens further on."""
+    p = torch.full((2, N_AUDIO), 1e-4)
+    at = 40 + 10 * s
+    p[:, at:at + 20] = 0.05
+    p[:, at + 170:at + 190] = 0.04
+    policy.observe(0, p)
+    policy.after_step(s)
+
+
+@pytest.mark.parametrize("locality", [0, 2])
+def test_policy_on_the_packed_store_holds_what_the_reference_holds(locality):
+    """End to end through the policy: the packed store (device swap) and the reference store (host swap) hold the same
+    positions at every step; with the window the far peak's segments are never recalled, without it they are."""
+    from helpers import resident_positions
+
+    from wnw_exp.kv.packed import PackedAudioKVStore
+    from wnw_exp.kv.reference import AudioKVStore
+
+    policy, store = _setup(PackedAudioKVStore, locality)
+    ref_policy, ref = _setup(AudioKVStore, locality)
+    assert policy.on_device and not ref_policy.on_device and policy.knobs().get("locality", 0) == locality
+    far_recalled = False
+    for s in range(10):
+        _step(policy, s)
+        _step(ref_policy, s)
+        far_recalled |= any(g >= (40 + 10 * s + 170) // N_S - 1 for g in np.flatnonzero(ref_policy.swap.recalled))
+        store.flush()
+        store.end_step()
+        ref.end_step()
+        for h in [(0, 1), (1, 0), (1, 1)]:
+            assert resident_positions(store, *h) == resident_positions(ref, *h), (s, h)
+    assert far_recalled == (locality == 0)

@@ -210,11 +210,7 @@ class WnW(Policy):
                              f">= {least} (one step's selection: top_k={self.top_k} chunks of "
                              f"{least // self.top_k} segments)")
         self.max_recalled = max_recalled
-        if (isinstance(locality, bool) or not isinstance(locality, int) or locality < 0
-                or 0 < locality < self.top_k - 1):
-            raise ValueError(f"method.locality={locality!r}: 0 (off, the paper) or how many chunks from the anchors' "
-                             f"focus the other chunks of a decision may lie, >= top_k - 1 = {self.top_k - 1}")
-        self.locality = locality
+        self.locality = triage.check_locality(locality, self.top_k)  # refused before any sample
         self.token_rate = (backbone_info or {}).get("token_rate")
         self.importance = triage.importance(self.scores.voice_score, self.scores.head_sensitivity, signal)
         if head_scale in ("spread", "reading"):  # what sizes the shares (a file without it fails here, in one line)

@@ -564,6 +564,14 @@ def complement(positions: torch.Tensor, n: int) -> torch.Tensor:
     return keep.nonzero().flatten()
 
 
+def check_locality(locality, top_k: int) -> int:
+    """`method.locality`, checked: 0 (off) or a number of chunks >= top_k - 1 (the window must hold top_k chunks)."""
+    if isinstance(locality, bool) or not isinstance(locality, int) or locality < 0 or 0 < locality < top_k - 1:
+        raise ValueError(f"method.locality={locality!r}: 0 (off, the paper) or how many chunks from the anchors' "
+                         f"focus the other chunks of a decision may lie, >= top_k - 1 = {top_k - 1}")
+    return locality
+
+
 class ChunkSwap:
     """The decode-time chunk selection and segment state machine of §2.3, on plain arrays.
 
@@ -593,10 +601,7 @@ class ChunkSwap:
             raise ValueError(f"method.max_recalled={max_recalled}: one step selects up to {least} segments "
                              f"(top_k={top_k} chunks of {math.ceil(n_c / n_s)} segments); use 0 (no cap) or >= {least}")
         self.max_recalled = int(max_recalled)
-        if locality and locality < top_k - 1:
-            raise ValueError(f"method.locality={locality}: the other top_k - 1 = {top_k - 1} chunks must fit beside the "
-                             f"focus; use 0 (off) or >= {top_k - 1}")
-        self.locality = int(locality)
+        self.locality = check_locality(locality, top_k)
         self._seg_starts = np.array([s for s, _ in self.segments], np.int64)
         self._seg_ends = np.array([e for _, e in self.segments], np.int64)
         self.recalled = np.zeros(len(self.segments), dtype=bool)

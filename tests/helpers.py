@@ -114,3 +114,38 @@ def interpreted_prefill_in_torch(monkeypatch) -> None:
         from wnw_exp.engine.step import prefill_layer
 
         monkeypatch.setattr(decode, "prefill_layer", functools.partial(prefill_layer, kernels="torch"))
+
+
+def needs_triton_interpreter() -> None:
+    """Skip a test that runs Triton kernels on CPU tensors where that cannot be done here."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional `gpu` extra)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
+def one_launch_swaps(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, variants: list[dict], steps: int):
+    """WnW's one-launch Triton swap against its host specification (Triton's interpreter on the CPU; skips where it
+    cannot run): per `variants` item (`ChunkSwap` keyword arguments, e.g. max_recalled, locality) a host `ChunkSwap`
+    and a `FusedChunkSwap` of the same settings with records for `steps` decisions and its scores buffer, then the
+    `ChunkSwapTables` that decides them all in one launch. Returns (hosts, parts: (fused, scores) each, tables)."""
+    needs_triton_interpreter()
+    from wnw_exp.methods.wnw import triage
+    from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables, FusedChunkSwap
+
+    cpu, hosts, parts = torch.device("cpu"), [], []
+    for kw in variants:
+        hosts.append(triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta, **kw))
+        dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, cpu, **kw)
+        records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool),
+                       recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
+                       release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
+                       resident=torch.zeros(steps + 2, dtype=torch.long))
+        parts.append((FusedChunkSwap(dev, records, torch.zeros((), dtype=torch.long), n_s, n_c, top_k, delta),
+                      torch.zeros(n_audio)))
+    return hosts, parts, ChunkSwapTables(parts, cpu)

@@ -5,13 +5,11 @@ ties to the earlier chunk), independently of `ChunkSwap`'s arrays; the device sw
 (Triton's interpreter on the CPU) against the host one, with and without the cap; the knob's validation.
 """
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 import torch
-from helpers import scores_for
+from helpers import one_launch_swaps, placed_two_layer_sample, resident_positions, scores_for
 
 from wnw_exp.methods.wnw import WnW, triage
 
@@ -85,24 +83,9 @@ def test_device_swap_selects_as_the_host_one(n_audio, n_s, n_c, top_k, delta, lo
 @pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta,loc,cap", CASES[:3])
 def test_one_launch_swap_selects_as_the_host_one(n_audio, n_s, n_c, top_k, delta, loc, cap):
     """Two streams in one launch, one with the option and one without."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (optional `gpu` extra)")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables, FusedChunkSwap
-
-    steps, hosts, parts = 30, [], []
-    for w in (loc, 0):
-        hosts.append(triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta, max_recalled=cap, locality=w))
-        dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, torch.device("cpu"), max_recalled=cap,
-                                     locality=w)
-        records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool),
-                       recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
-                       release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
-                       resident=torch.zeros(steps + 2, dtype=torch.long))
-        parts.append((FusedChunkSwap(dev, records, torch.zeros((), dtype=torch.long), n_s, n_c, top_k, delta),
-                      torch.zeros(n_audio)))
-    tables = ChunkSwapTables(parts, torch.device("cpu"))
+    steps = 30
+    hosts, parts, tables = one_launch_swaps(n_audio, n_s, n_c, top_k, delta,
+                                            [dict(max_recalled=cap, locality=loc), dict(max_recalled=cap)], steps)
     for step, a in enumerate(_inputs(n_audio, steps, seed=3 * n_audio + loc)):
         for _, scores in parts:
             scores.copy_(a)
@@ -130,8 +113,6 @@ N_AUDIO, N_S = 400, 10  # 40 segments, chunks of 20 tokens every 10
 
 
 def _setup(store_cls, locality):
-    from helpers import placed_two_layer_sample
-
     scores = scores_for([[1.0, 0.2], [0.1, 0.5]], np.ones((2, 2)))  # anchor (0,0), tidal (0,1), (1,0), (1,1)
     policy = WnW(scores=scores, n_voice=4, n_anchor=1, lam=0.3, chunk_seconds=1.6, stride_seconds=0.8, top_k=2,
                  delta=3, max_recalled=4, locality=locality)
@@ -152,8 +133,6 @@ def _step(policy, s):
 def test_policy_on_the_packed_store_holds_what_the_reference_holds(locality):
     """End to end through the policy: the packed store (device swap) and the reference store (host swap) hold the same
     positions at every step; with the window the far peak's segments are never recalled, without it they are."""
-    from helpers import resident_positions
-
     from wnw_exp.kv.packed import PackedAudioKVStore
     from wnw_exp.kv.reference import AudioKVStore
 

@@ -6,14 +6,13 @@ packed store's room with the cap; the knob's validation.
 """
 
 import functools
-import importlib.util
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
-from helpers import placed_two_layer_sample, resident_positions, scores_for
+from helpers import (needs_triton_interpreter, one_launch_swaps, placed_two_layer_sample, resident_positions,
+                     scores_for)
 
 from wnw_exp.kv.packed import PackedAudioKVStore
 from wnw_exp.kv.reference import AudioKVStore
@@ -165,31 +164,13 @@ def test_packed_store_holds_what_the_reference_holds_within_the_capped_room():
             store.end_step()
 
 
-def _needs_triton_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (optional `gpu` extra)")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-
-
 @pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta,cap", CASES[:3])
 def test_one_launch_swap_applies_the_cap_as_the_host_one(n_audio, n_s, n_c, top_k, delta, cap):
     """The Triton decision (Triton's interpreter on the CPU), two streams in one launch, one with the cap and one
     without: each gives its host swap's chunks, recalls and releases at every step."""
-    _needs_triton_interpreter()
-    from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables, FusedChunkSwap
-
-    steps, hosts, parts = 30, [], []
-    for c in (cap, 0):
-        hosts.append(triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta, max_recalled=c))
-        dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, torch.device("cpu"), max_recalled=c)
-        records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool),
-                       recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
-                       release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
-                       resident=torch.zeros(steps + 2, dtype=torch.long))
-        parts.append((FusedChunkSwap(dev, records, torch.zeros((), dtype=torch.long), n_s, n_c, top_k, delta),
-                      torch.zeros(n_audio)))
-    tables = ChunkSwapTables(parts, torch.device("cpu"))
+    steps = 30
+    hosts, parts, tables = one_launch_swaps(n_audio, n_s, n_c, top_k, delta,
+                                            [dict(max_recalled=cap), dict(max_recalled=0)], steps)
     for step, a in enumerate(_inputs(n_audio, steps, seed=3 * n_audio + cap)):
         for _, scores in parts:
             scores.copy_(a)
@@ -204,7 +185,7 @@ def test_one_launch_swap_applies_the_cap_as_the_host_one(n_audio, n_s, n_c, top_
 
 
 def test_triton_store_holds_what_the_reference_holds():
-    _needs_triton_interpreter()
+    needs_triton_interpreter()
     policy, store = _setup(functools.partial(PackedAudioKVStore, kernels="triton"), cap=4)
     assert policy.on_device and policy._fused_swap is not None
     ref_policy, ref = _setup(AudioKVStore, cap=4)

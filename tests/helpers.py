@@ -129,23 +129,39 @@ def needs_triton_interpreter() -> None:
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
 
 
-def one_launch_swaps(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, variants: list[dict], steps: int):
-    """WnW's one-launch Triton swap against its host specification (Triton's interpreter on the CPU; skips where it
-    cannot run): per `variants` item (`ChunkSwap` keyword arguments, e.g. max_recalled, locality) a host `ChunkSwap`
-    and a `FusedChunkSwap` of the same settings with records for `steps` decisions and its scores buffer, then the
-    `ChunkSwapTables` that decides them all in one launch. Returns (hosts, parts: (fused, scores) each, tables)."""
+def triton_swap_device() -> torch.device:
+    """Where a test of WnW's one-launch Triton swap runs: the GPU's Triton where CUDA is present, else Triton's
+    interpreter on CPU tensors (skips where neither can run)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional `gpu` extra)")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
     needs_triton_interpreter()
+    return torch.device("cpu")
+
+
+def one_launch_swaps(n_audio: int, n_s: int, n_c: int, top_k: int, delta: int, variants: list[dict], steps: int):
+    """WnW's one-launch Triton swap against its host specification (on the GPU where there is one, else in Triton's
+    interpreter on the CPU; skips where neither can run): per `variants` item (`ChunkSwap` keyword arguments, e.g.
+    max_recalled, locality) a host `ChunkSwap` and a `FusedChunkSwap` of the same settings with records for `steps`
+    decisions and its scores buffer, then the `ChunkSwapTables` that decides them all in one launch. Returns (hosts,
+    parts: (fused, scores) each, tables)."""
+    dev_ = triton_swap_device()
     from wnw_exp.methods.wnw import triage
     from wnw_exp.methods.wnw.triton_swap import ChunkSwapTables, FusedChunkSwap
 
-    cpu, hosts, parts = torch.device("cpu"), [], []
+    hosts, parts = [], []
     for kw in variants:
         hosts.append(triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta, **kw))
-        dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, cpu, **kw)
-        records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool),
-                       recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
-                       release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool),
-                       resident=torch.zeros(steps + 2, dtype=torch.long))
-        parts.append((FusedChunkSwap(dev, records, torch.zeros((), dtype=torch.long), n_s, n_c, top_k, delta),
-                      torch.zeros(n_audio)))
-    return hosts, parts, ChunkSwapTables(parts, cpu)
+        dev = triage.DeviceChunkSwap(n_audio, n_s, n_c, top_k, delta, dev_, **kw)
+        records = dict(selected=torch.zeros(steps + 2, dev.n_chunks, dtype=torch.bool, device=dev_),
+                       recall=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool, device=dev_),
+                       release=torch.zeros(steps + 2, dev.n_seg, dtype=torch.bool, device=dev_),
+                       resident=torch.zeros(steps + 2, dtype=torch.long, device=dev_))
+        parts.append((FusedChunkSwap(dev, records, torch.zeros((), dtype=torch.long, device=dev_), n_s, n_c, top_k,
+                                     delta), torch.zeros(n_audio, device=dev_)))
+    return hosts, parts, ChunkSwapTables(parts, dev_)

@@ -1,8 +1,8 @@
 """`method.locality`: the chunks a chunk-swap decision selects besides the anchors' focus stay near it.
 
 Checked against a selection written here as a plain sort (the focus first, then the nearest-enough chunks by mean,
-ties to the earlier chunk), independently of `ChunkSwap`'s arrays; the device swap and the one-launch Triton swap
-(Triton's interpreter on the CPU) against the host one, with and without the cap; the knob's validation.
+ties to the earlier chunk), independently of `ChunkSwap`'s arrays; the device swap and the one-launch Triton swap (on
+the GPU, or in Triton's interpreter on the CPU) against the host one, with and without the cap; the knob's validation.
 """
 
 

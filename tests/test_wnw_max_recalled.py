@@ -166,8 +166,8 @@ def test_packed_store_holds_what_the_reference_holds_within_the_capped_room():
 
 @pytest.mark.parametrize("n_audio,n_s,n_c,top_k,delta,cap", CASES[:3])
 def test_one_launch_swap_applies_the_cap_as_the_host_one(n_audio, n_s, n_c, top_k, delta, cap):
-    """The Triton decision (Triton's interpreter on the CPU), two streams in one launch, one with the cap and one
-    without: each gives its host swap's chunks, recalls and releases at every step."""
+    """The Triton decision (on the GPU, or Triton's interpreter on the CPU), two streams in one launch, one with the
+    cap and one without: each gives its host swap's chunks, recalls and releases at every step."""
     steps = 30
     hosts, parts, tables = one_launch_swaps(n_audio, n_s, n_c, top_k, delta,
                                             [dict(max_recalled=cap), dict(max_recalled=0)], steps)
@@ -180,7 +180,7 @@ def test_one_launch_swap_applies_the_cap_as_the_host_one(n_audio, n_s, n_c, top_
             assert fused.selected.nonzero().flatten().tolist() == selected, step
             assert fused.recall.nonzero().flatten().tolist() == recall, step
             assert fused.release.nonzero().flatten().tolist() == release, step
-            assert fused.swap.recalled.numpy().tolist() == host.recalled.tolist()
+            assert fused.swap.recalled.cpu().numpy().tolist() == host.recalled.tolist()
             assert int(fused.records["resident"][step]) == int(host.recalled.sum()) and not scores.any()
 
 

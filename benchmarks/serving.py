@@ -102,7 +102,7 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int], budget_gb: float, retention: float,
              chunk_layers: int | None, path: dict, expected: int | None = None,
              arrivals: list[float] | None = None, overlap: bool | None = None, host_gb: float | None = None,
-             warmup: bool = True, freeze_gc: bool = True) -> dict:
+             warmup: bool = True, freeze_gc: bool = True, decode_priority: bool = False) -> dict:
     from wnw_exp.engine.serve import BatchStats, Request, decode_batch, default_pool
     from wnw_exp.kv.pool import KVPool
 
@@ -121,7 +121,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
         warm = [Request(f"warm{i}", prompt, c, c) for i, c in enumerate(min(c, WARMUP_TOKENS)
                                                                            for c in caps[:WARMUP_REQUESTS])]
         for _, res in decode_batch(bb, warm, template.fork, retention=r, pool=pool, prefill_chunk_layers=chunk_layers,
-                                   overlap_prefill=overlap, **path):
+                                   overlap_prefill=overlap, decode_priority=decode_priority, **path):
             if isinstance(res, Exception):
                 raise res
         ds._sync()
@@ -134,7 +134,8 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
     arrivals = arrivals if arrivals is not None else [0.0] * len(caps)
     requests = [Request(i, prompt, c, expected, arrival_s=a) for i, (c, a) in enumerate(zip(caps, arrivals))]
     for key, res in decode_batch(bb, requests, template.fork, retention=r, pool=pool, prefill_chunk_layers=chunk_layers,
-                                 stats=stats, overlap_prefill=overlap, freeze_gc=freeze_gc, **path):
+                                 stats=stats, overlap_prefill=overlap, freeze_gc=freeze_gc,
+                                 decode_priority=decode_priority, **path):
         if isinstance(res, Exception):
             raise res
         results[key] = res
@@ -172,6 +173,7 @@ def scenario(bb, prompt, method: str, info: dict, scores: Path, caps: list[int],
                 host_pinned_outside=pool.stats()["host_pinned_outside"],
                 preempted=len(stats.preempted), expected_new_tokens=expected, warmup_s=warmup_s,
                 gc_s=stats.gc_s, gc_passes=stats.gc_passes, gc_max_ms=stats.gc_max_ms, gc_frozen=freeze_gc,
+                decode_priority=bool(decode_priority and bb.device.type == "cuda"),
                 arrivals="poisson" if any(arrivals) else "burst", arrival_span_s=max(arrivals),
                 r_gpu_mean=float(np.mean([x.store_summary["r_gpu"] for x in results.values()])),
                 path={k: v for k, v in path.items()})
@@ -484,6 +486,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"left out (comma-separated: {', '.join(ABLATIONS)}); the answers are then wrong")
     ap.add_argument("--no-warmup", action="store_true",
                     help="time each scenario from a cold start (its kernels compile inside the run)")
+    ap.add_argument("--decode-priority", action="store_true",
+                    help="--gpu: the loop's work, decode steps included, on a CUDA stream of the highest priority "
+                         "(decode_batch's decode_priority=True), an overlapped prefill's on the lowest")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="let the garbage collector's passes scan every object (decode_batch's freeze_gc=False)")
     ap.add_argument("--deadline-s", type=float, default=150.0, help="--gpu: start no scenario after this many seconds")
@@ -585,7 +590,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for kind, fn in (("throughput", lambda: scenario(bb, prompt, method, info, scores, caps, budget, a.retention,
                                                          a.prefill_chunk_layers, job_path, mean, arrivals,
                                                          False if a.no_overlap_prefill else None, a.kv_host_gb,
-                                                         not a.no_warmup, not a.no_gc_freeze)),
+                                                         not a.no_warmup, not a.no_gc_freeze, a.decode_priority)),
                          ("latency_bs1", lambda: latency_bs1(bb, prompt, method, info, scores, min(bs1_tokens, mean),
                                                              a.retention, job_path))):
             try:

@@ -5,7 +5,8 @@
   forward pass has no host read) makes exactly the decisions of placing each layer as it is computed (the
   reference): the same tiers for every head, the same first token, the same decoded results;
 - on CUDA, a batch whose later requests are prefilled on their own CUDA stream while the first ones decode gives
-  each request the tokens it gets alone.
+  each request the tokens it gets alone, with the decode steps on the default stream or on one of the highest
+  priority (`decode_priority`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def test_placing_after_the_forward_pass_makes_the_same_decisions(method, store):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="an overlapped prefill runs on a CUDA stream of its own")
 @pytest.mark.parametrize("method", ["full", "wnw", "adakv"])
-def test_a_prefill_overlapped_with_decoding_gives_each_request_its_bs1_tokens(method):
+@pytest.mark.parametrize("priority", [False, True])
+def test_a_prefill_overlapped_with_decoding_gives_each_request_its_bs1_tokens(method, priority):
+    """And with the loop's work on a stream of the highest priority (`decode_priority`): the same tokens."""
     bb = tiny_voxtral()
     bb.model.to(torch.device("cuda"), torch.float32)
     bb.eos_token_ids = [-1]
@@ -86,7 +89,7 @@ def test_a_prefill_overlapped_with_decoding_gives_each_request_its_bs1_tokens(me
     stats = BatchStats()
     got = dict(decode_batch(bb, [Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, caps))],
                             _policy(method, bb).fork, retention=r, pool=pool, stats=stats, overlap_prefill=True,
-                            prefill_chunk_layers=1, max_concurrent=2, **path))
+                            prefill_chunk_layers=1, max_concurrent=2, decode_priority=priority, **path))
     assert [got[i].tokens for i in range(len(prompts))] == solo
     assert max(stats.batch_sizes) > 1 and pool.used_blocks == 0
 

@@ -145,7 +145,8 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
                  prefill_chunk_layers: int | None = None, stats: BatchStats | None = None,
                  reserve_tokens: int | float | None = None,
                  overlap_prefill: bool | None = None,
-                 freeze_gc: bool = True) -> Iterator[tuple[object, DecodeResult | Exception]]:
+                 freeze_gc: bool = True,
+                 decode_priority: bool = False) -> Iterator[tuple[object, DecodeResult | Exception]]:
     """Continuous batching: decode `requests` several at a time, yielding (key, result) as each stream finishes
     (or (key, exception) for one that failed), in the order they finish.
 
@@ -179,8 +180,36 @@ def decode_batch(backbone: Backbone, requests: Iterable[Request], make_policy: C
     (`engine.decode.step_streams`); otherwise one graph per composition is captured after `WARM_STEPS` eager steps
     (at its first step where a composition of the same shape, `_warm_key`, ran before: its kernels are compiled).
     With `freeze_gc` the objects alive when it starts stay out of the garbage collector's passes until it ends
-    (`GcWatch`); `stats.gc_s` times the passes either way.
+    (`GcWatch`); `stats.gc_s` times the passes either way. With `decode_priority` (CUDA) the loop's own work, the
+    decode steps and their graphs included, runs on a CUDA stream of the device's highest priority, so that the
+    GPU's block scheduler runs a step's kernels before the pending blocks of an overlapped prefill (whose stream
+    keeps the lowest priority); the caller's code between two results runs on its own stream.
     """
+    loop = _decode_loop(backbone, requests, make_policy, retention, max_concurrent, pool, keep_logits, store, fused,
+                        graph, kernels, prefill_chunk_layers, stats, reserve_tokens, overlap_prefill, freeze_gc)
+    dev = backbone.device
+    if not decode_priority or dev.type != "cuda":
+        yield from loop
+        return
+    high = torch.cuda.Stream(dev, priority=-100)  # (mapped to the device's highest)
+    caller = torch.cuda.current_stream(dev)
+    try:
+        while True:
+            high.wait_stream(caller)
+            with torch.cuda.stream(high):
+                item = next(loop, None)
+            caller.wait_stream(high)
+            if item is None:
+                return
+            yield item
+    finally:
+        loop.close()
+
+
+@torch.no_grad()
+def _decode_loop(backbone, requests, make_policy, retention, max_concurrent, pool, keep_logits, store, fused, graph,
+                 kernels, prefill_chunk_layers, stats, reserve_tokens, overlap_prefill, freeze_gc):
+    """`decode_batch`'s loop, on the current CUDA stream."""
     dev = backbone.device
     stats = stats if stats is not None else BatchStats()
     limit = max_concurrent if max_concurrent is not None else 1 << 30

@@ -20,6 +20,7 @@ import itertools
 import json
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from wnw_exp.metrics.bootstrap import paired_bootstrap_wer
@@ -46,9 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     records.sort(key=lambda r: _clip_order(r["id"]))
     ref = [wer_counts(r["reference"], "").ref_words for r in records]
     errors, left_out = {}, []
+    alike = Counter(row_name(row) for _, _, row in rows)
     for path, i, row in rows:
         name = row_name(row)
-        if sum(row_name(other) == name for _, _, other in rows) > 1:  # rows that their settings do not tell apart
+        if alike[name] > 1:  # rows that their settings do not tell apart
             name += f" ({path.name} row {i})"
         per_clip = row.get("per_clip")
         if per_clip is None or len(per_clip) != len(ref):

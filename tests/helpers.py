@@ -134,11 +134,7 @@ def triton_swap_device() -> torch.device:
     interpreter on CPU tensors (skips where neither can run)."""
     import importlib.util
 
-    import pytest
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (optional `gpu` extra)")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
         return torch.device("cuda")
     needs_triton_interpreter()
     return torch.device("cpu")

@@ -1,12 +1,11 @@
 """WnW: triage, the lambda solver, prefill selection, the chunk-swap state machine, and the Full limit."""
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import noise_audio, scores_for, tiny_voxtral
+from helpers import needs_triton_interpreter, noise_audio, scores_for, tiny_voxtral
 from wnw_exp.engine.decode import place
 from wnw_exp.methods.wnw import triage
 from wnw_exp.head_scores import HeadScoresError
@@ -500,7 +499,7 @@ def test_fused_chunk_swap_decides_as_the_host_one_step_by_step(n_audio, n_s, n_c
     """The one-launch Triton decision (`FusedChunkSwap`, Triton's interpreter on the CPU) gives `ChunkSwap`'s
     chunks, recalls and releases at every step, ties included, records them at its counter, counts the recalled
     segments, and zeroes the scores for the next step."""
-    _needs_triton_interpreter()
+    needs_triton_interpreter()
     from wnw_exp.methods.wnw.triton_swap import FusedChunkSwap
 
     host = triage.ChunkSwap(n_audio, n_s, n_c, top_k, delta)
@@ -586,14 +585,6 @@ def _packed_positions(store, layer, head):
     return (store.slot_of[layer * store.n_kv_heads + head] >= 0).nonzero().flatten().tolist()
 
 
-def _needs_triton_interpreter():
-    """These tests run Triton kernels on CPU tensors: Triton's interpreter only (TRITON_INTERPRET=1 before Triton's
-    import; a CUDA machine without it cannot launch on CPU tensors, and its kernels are covered by test_batch's)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-
-
 def _triton_stream_sets(lengths, n_sets):
     """`n_sets` identical sets of WnW streams (policy, packed store with Triton kernels), one per audio length."""
     import functools
@@ -619,7 +610,7 @@ def test_wnw_with_triton_kernels_decides_as_the_host_and_falls_back_if_the_kerne
     (`FusedChunkSwap`); the decisions and the positions held are the host swap's, step by step. A chunk-swap
     kernel that raises (one this GPU cannot compile) warns once and the PyTorch decision takes over, with the
     same results."""
-    _needs_triton_interpreter()
+    needs_triton_interpreter()
     import warnings as w
 
     from wnw_exp.methods.wnw import triton_swap
@@ -653,7 +644,7 @@ def test_batched_chunk_swap_decides_and_queues_as_each_stream_alone(monkeypatch)
     `WnW.after_step_all` eagerly (the batch's warm-up steps); each policy's own `after_step`. The same decisions
     (the recorded trace), segment states, zeroed scores and queues in all four, step by step, the stores flushed
     between steps. (The capture is simulated: the CPU has none.)"""
-    _needs_triton_interpreter()
+    needs_triton_interpreter()
     import wnw_exp.kv.packed as packed
 
     lengths = (100, 70, 130)
@@ -708,7 +699,7 @@ def test_batched_chunk_swap_falls_back_to_each_streams_pytorch_decision_if_the_k
     """`WnW.after_step_all` with a batched decision kernel that raises (one this GPU cannot compile) warns and each
     policy decides with the PyTorch kernels, as on its own after such a failure: the same records and queues as
     policies stepping on their own with the PyTorch decision."""
-    _needs_triton_interpreter()
+    needs_triton_interpreter()
     import warnings as w
 
     from wnw_exp.methods.wnw import triton_swap
@@ -756,7 +747,7 @@ def test_a_subclass_signal_is_applied_once_per_decision_alone_and_in_a_batch():
     when each policy decides on its own (`after_step`) and when a batch's policies decide in one launch
     (`after_step_all`, Triton's interpreter): the same counters, decisions and queues either way. (The batched
     decision once skipped a subclass's `after_step`, so the benchmarks' streams decided on unscripted attention.)"""
-    _needs_triton_interpreter()
+    needs_triton_interpreter()
 
     class Scripted(WnW):
         def _adjust_signal(self, step):
